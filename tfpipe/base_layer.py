@@ -1,0 +1,356 @@
+"""BaseLayer: a Keras layer built from Lingvo-style params.
+
+Every tfpipe layer is a `keras.layers.Layer`, so it works inside `keras.Model`,
+`tf.function`, `tf.GradientTape` and `tf.train.Checkpoint`. What it adds:
+
+* `Params()`: a classmethod returning the layer's documented params, extending
+  the parent's. A layer is `p.Instantiate()`d from them.
+* `CreateChild` / `CreateChildren`: sub-layers are built from params too, so a
+  whole network is one params tree that can be printed and overridden.
+* `FProp`: the computation. `call` runs it, so Keras sees an ordinary layer.
+* `FPropMeta`: a classmethod cost model (output shape, flops, parameter count,
+  activation size), so a partitioner can balance cells without running them.
+
+Variables are created eagerly in `__init__` when the params say their shapes
+(Lingvo's way). That matters for pipelining: a cell instantiated under
+`tf.device(d)` then has every variable on `d`, which lazily-built Keras layers
+do not guarantee.
+"""
+
+import contextlib
+import dataclasses
+import inspect
+import threading
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import hyperparams
+
+
+@dataclasses.dataclass
+class CostMeta:
+  """What a layer costs, estimated from params and an input shape.
+
+  Attributes:
+    output_shape: the output shape (nested like the output), batch dim kept.
+    flops: floating point operations of one forward pass for that input.
+    num_params: number of trainable scalars.
+    activation_bytes: bytes of the output activation (what crosses a cell
+      boundary, and what a layer keeps for backward without remat).
+  """
+  output_shape: Any
+  flops: float = 0.0
+  num_params: int = 0
+  activation_bytes: float = 0.0
+
+
+def LeafShapes(shape):
+  """The leaf shapes of a nested structure of shapes, as tuples."""
+  if _IsShape(shape):
+    return [tuple(shape)]
+  values = shape.values() if isinstance(shape, dict) else shape
+  return [leaf for v in values for leaf in LeafShapes(v)]
+
+
+def NumElements(shape, batch_size=1):
+  """Number of elements in a (possibly nested) shape; None dims count as batch_size."""
+  total = 0
+  for s in LeafShapes(shape):
+    dims = [batch_size if d is None else int(d) for d in s]
+    total += int(np.prod(dims)) if dims else 1
+  return total
+
+
+def _IsShape(x):
+  return isinstance(x, (tuple, list, tf.TensorShape)) and all(
+      d is None or isinstance(d, (int, np.integer)) for d in x)
+
+
+def MapShapes(fn, shape):
+  """Applies fn to every leaf shape of a nested structure of shapes."""
+  if _IsShape(shape):
+    return fn(tuple(shape))
+  if isinstance(shape, dict):
+    return {k: MapShapes(fn, v) for k, v in shape.items()}
+  if isinstance(shape, (list, tuple)):
+    return type(shape)(MapShapes(fn, v) for v in shape)
+  raise TypeError(f'Not a shape or nested structure of shapes: {shape!r}')
+
+
+class _StepContext(threading.local):
+  """Per-thread state that the pipeline executor sets around a cell's forward.
+
+  `seed` is a [2] int32 tensor unique to (step, micro-batch); random layers
+  derive stateless seeds from it so a re-materialized forward reproduces the
+  original random values. `stats_collector` gathers statistics that layers
+  such as batch norm want applied once per step rather than per micro-batch.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.seed = None
+    self.stats_collector = None
+
+
+_STEP_CONTEXT = _StepContext()
+
+
+@contextlib.contextmanager
+def StepSeed(seed):
+  """Makes random layers use stateless randomness derived from `seed`."""
+  old = _STEP_CONTEXT.seed
+  _STEP_CONTEXT.seed = seed
+  try:
+    yield
+  finally:
+    _STEP_CONTEXT.seed = old
+
+
+def CurrentStepSeed():
+  return _STEP_CONTEXT.seed
+
+
+@contextlib.contextmanager
+def CollectDeferredStats(collector):
+  """Routes layers' deferred statistics (e.g. batch norm) to `collector`."""
+  old = _STEP_CONTEXT.stats_collector
+  _STEP_CONTEXT.stats_collector = collector
+  try:
+    yield
+  finally:
+    _STEP_CONTEXT.stats_collector = old
+
+
+def CurrentStatsCollector():
+  return _STEP_CONTEXT.stats_collector
+
+
+class DeferredStatsCollector:
+  """Gathers statistics that layers want applied once per step, not per micro-batch.
+
+  The pipeline runs a layer once per micro-batch. A batch-norm layer in
+  training records each micro-batch's (mean, variance) here with the number of
+  examples they cover, instead of updating its moving averages. After the last
+  micro-batch the executor calls `Apply()`, which hands each layer all its
+  records; the layer merges them into full-batch statistics and updates once.
+  A layer that records must implement `ApplyDeferredStats(records)`, where
+  records is a list of (count, stats) with count a scalar float tensor.
+  """
+
+  def __init__(self):
+    self._records = {}
+    self._layers = {}
+
+  def Add(self, layer, stats, count):
+    key = id(layer)
+    self._layers[key] = layer
+    self._records.setdefault(key, []).append((count, stats))
+
+  def __len__(self):
+    return len(self._records)
+
+  def Apply(self):
+    """Applies every layer's merged statistics; returns the update ops (graph mode)."""
+    updates = []
+    for key, records in self._records.items():
+      update = self._layers[key].ApplyDeferredStats(records)
+      if update is not None:
+        updates.append(update)
+    self._records.clear()
+    return updates
+
+
+def _StableHash(text):
+  h = 2166136261
+  for ch in text.encode('utf-8'):
+    h = ((h ^ ch) * 16777619) % (1 << 31)
+  return h
+
+
+class BaseLayer(keras.layers.Layer):
+  """Base class of tfpipe layers. Subclass it and override `FProp`."""
+
+  @classmethod
+  def Params(cls):
+    """The params of this layer class; subclasses extend their parent's."""
+    p = hyperparams.InstantiableParams(cls)
+    p.Define('name', '', 'Name of the layer; also names its variables.')
+    p.Define('dtype', 'float32', 'Dtype of the layer\'s variables.')
+    p.Define('random_seed', None,
+             'Seed of this layer\'s initializers and random ops; None draws '
+             'from keras.utils.set_random_seed.')
+    return p
+
+  def __init__(self, params, **kwargs):
+    if not isinstance(params, hyperparams.Params):
+      raise TypeError(f'{type(self).__name__} is built from params: use '
+                      f'{type(self).__name__}.Params().Set(...).Instantiate(); '
+                      f'received {type(params).__name__}.')
+    if not params.name:
+      raise ValueError(f'{type(self).__name__}: params.name must be set, e.g. '
+                       f'{type(self).__name__}.Params().Set(name="...").')
+    super().__init__(name=params.name, dtype=params.dtype, **kwargs)
+    self._params = params.Copy().Freeze()
+    self._children = {}
+    self._fprop_accepts_training = (
+        'training' in inspect.signature(self.FProp).parameters)
+
+  @property
+  def params(self):
+    """The frozen params this layer was built from."""
+    return self._params
+
+  @property
+  def p(self):
+    return self._params
+
+  # ---- children ---------------------------------------------------------
+
+  def CreateChild(self, name, params):
+    """Instantiates `params` as a child layer stored as `self.<name>`."""
+    if name in self._children:
+      raise ValueError(f'{self.name}: child {name!r} already exists.')
+    p = params.Copy()
+    if 'name' in p and not p.name:
+      p.name = name
+    child = p.Instantiate()
+    self._children[name] = child
+    setattr(self, name, child)
+    return child
+
+  def CreateChildren(self, name, params_list):
+    """Instantiates a list of params as children stored as `self.<name>`."""
+    if name in self._children:
+      raise ValueError(f'{self.name}: children {name!r} already exist.')
+    children = []
+    for i, params in enumerate(params_list):
+      p = params.Copy()
+      if 'name' in p and not p.name:
+        p.name = f'{name}_{i}'
+      children.append(p.Instantiate())
+    self._children[name] = children
+    setattr(self, name, children)
+    return children
+
+  @property
+  def children(self):
+    return dict(self._children)
+
+  # ---- variables --------------------------------------------------------
+
+  def CreateVariable(self, name, shape, initializer='glorot_uniform',
+                     trainable=True, dtype=None):
+    """Creates a variable now, on the current device (see module docstring)."""
+    if isinstance(initializer, str):
+      initializer = keras.initializers.get(initializer)
+      if hasattr(initializer, 'seed') and self.p.random_seed is not None:
+        config = initializer.get_config()
+        config['seed'] = self.p.random_seed + _StableHash(name)
+        initializer = type(initializer).from_config(config)
+    return self.add_weight(
+        name=name, shape=tuple(shape), initializer=initializer,
+        trainable=trainable, dtype=dtype or self.p.dtype)
+
+  # ---- computation --------------------------------------------------------
+
+  def FProp(self, inputs, training=None):
+    """The layer's computation; subclasses override it."""
+    raise TypeError(f'{type(self).__name__} must override FProp.')
+
+  def call(self, inputs, training=None, **kwargs):
+    if self._fprop_accepts_training:
+      kwargs['training'] = training
+    return self.FProp(inputs, **kwargs)
+
+  def build(self, input_shape):
+    """Builds children in order; layers that made their variables in __init__ need nothing."""
+    del input_shape
+
+  def compute_output_shape(self, input_shape):
+    return type(self).FPropMeta(self.p, input_shape).output_shape
+
+  def StatelessSeed(self, salt=''):
+    """A [2] seed for stateless random ops, or None outside a pipeline step.
+
+    Derived from the step seed set by the pipeline and this layer's name, so a
+    recomputed forward sees the same random numbers as the original one.
+    """
+    step_seed = CurrentStepSeed()
+    if step_seed is None:
+      return None
+    offset = tf.constant(
+        [_StableHash(self.path + salt), 0], dtype=step_seed.dtype)
+    return step_seed + offset
+
+  # ---- cost model ---------------------------------------------------------
+
+  @classmethod
+  def FPropMeta(cls, p, input_shape):
+    """Estimates output shape and costs for `input_shape` (batch dim may be None).
+
+    The default instantiates the layer once off to the side and reads its
+    variables; subclasses with known formulas override it and stay cheap.
+    """
+    layer = p.Instantiate()
+    if not layer.built:
+      layer.build(input_shape)
+    num_params = int(sum(np.prod(v.shape) for v in layer.trainable_variables))
+    output_shape = _OutputShapeByTracing(layer, input_shape)
+    batch = _BatchSize(input_shape)
+    return CostMeta(
+        output_shape=output_shape,
+        flops=2.0 * num_params * NumElements(input_shape, batch) / max(
+            1, _LastDims(input_shape)),
+        num_params=num_params,
+        activation_bytes=4.0 * NumElements(output_shape, batch))
+
+
+def BatchDim(shape):
+  """The leading dim of the first leaf shape (None if unknown)."""
+  leaves = LeafShapes(shape)
+  return leaves[0][0] if leaves and leaves[0] else None
+
+
+def _BatchSize(shape):
+  first = BatchDim(shape)
+  return 1 if first is None else int(first)
+
+
+def _LastDims(shape):
+  if _IsShape(shape):
+    return int(shape[-1]) if len(shape) and shape[-1] is not None else 1
+  return 1
+
+
+def _OutputShapeByTracing(layer, input_shape):
+  """Output shape of `layer` by tracing it symbolically on `input_shape`."""
+  def Spec(s):
+    return tf.TensorSpec([None if i == 0 else d for i, d in enumerate(s)],
+                         tf.float32)
+  specs = MapShapes(Spec, input_shape)
+
+  @tf.function(input_signature=[specs])
+  def Trace(x):
+    return layer(x, training=False)
+
+  out_structure = Trace.get_concrete_function().structured_outputs
+  batch = BatchDim(input_shape)
+
+  def Shape(t):
+    dims = list(t.shape)
+    if dims:
+      dims[0] = batch
+    return tuple(dims)
+  return tf.nest.map_structure(Shape, out_structure)
+
+
+def SumCosts(costs):
+  """Adds up flops/params/activation bytes of a list of CostMeta."""
+  return CostMeta(
+      output_shape=costs[-1].output_shape if costs else None,
+      flops=sum(c.flops for c in costs),
+      num_params=sum(c.num_params for c in costs),
+      activation_bytes=sum(c.activation_bytes for c in costs))

@@ -1,0 +1,384 @@
+"""Lingvo-style hyper-parameters: the data from which every tfpipe object is built.
+
+A `Params` is an ordered tree of named, documented values. Layers, models and
+experiments describe themselves as params, so a whole configuration can be
+printed (`ToText`), diffed, overridden from the command line (`FromText`) and
+then turned into objects (`InstantiableParams.Instantiate`).
+
+Why not plain dicts: a typo in a key must fail loudly and say what was meant,
+and every knob must carry a sentence saying what it does.
+"""
+
+import ast
+import copy
+import difflib
+import enum
+import importlib
+import re
+
+
+def _ClosestNames(name, candidates, n=3):
+  return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)
+
+
+def _UnknownNameMessage(name, candidates, what='param'):
+  msg = f'Unknown {what} {name!r}.'
+  close = _ClosestNames(name, candidates)
+  if close:
+    msg += ' Did you mean ' + ' or '.join(repr(c) for c in close) + '?'
+  elif candidates:
+    msg += ' Defined names: ' + ', '.join(sorted(candidates)) + '.'
+  return msg
+
+
+class _Param:
+  """One named value with its documentation."""
+
+  def __init__(self, name, default, doc):
+    self.name = name
+    self.value = default
+    self.doc = doc
+
+  def __deepcopy__(self, memo):
+    # Values that cannot be deep-copied (classes, functions, tensors) are
+    # shared, as Lingvo does; nested Params are copied.
+    try:
+      value = copy.deepcopy(self.value, memo)
+    except Exception:  # pylint: disable=broad-except
+      value = self.value
+    return _Param(self.name, value, self.doc)
+
+
+class Params:
+  """An ordered, documented, freezable set of hyper-parameters."""
+
+  def __init__(self):
+    self.__dict__['_params'] = {}
+    self.__dict__['_immutable'] = False
+
+  # ---- definition -------------------------------------------------------
+
+  def Define(self, name, default_value, description):
+    """Adds `name` with its default and a one-sentence description."""
+    if self._immutable:
+      raise TypeError(f'This Params is frozen; cannot Define {name!r}.')
+    if not isinstance(name, str) or not re.match(r'^[a-z][a-z0-9_]*$', name):
+      raise ValueError(
+          f'Param names are lower_case_with_underscores; received {name!r}.')
+    if name in self._params:
+      raise AttributeError(f'Param {name!r} is already defined.')
+    self._params[name] = _Param(name, default_value, description)
+
+  def Delete(self, *names):
+    """Removes params; a dotted name reaches into nested params."""
+    if self._immutable:
+      raise TypeError('This Params is frozen; cannot Delete.')
+    for name in names:
+      parent, key = self._ResolveParent(name)
+      if key not in parent._params:  # pylint: disable=protected-access
+        raise AttributeError(_UnknownNameMessage(name, parent._params))  # pylint: disable=protected-access
+      del parent._params[key]  # pylint: disable=protected-access
+    return self
+
+  def Freeze(self):
+    """Makes this params (and nested params) read-only."""
+    self.__dict__['_immutable'] = True
+    for p in self._params.values():
+      if isinstance(p.value, Params):
+        p.value.Freeze()
+    return self
+
+  @property
+  def is_frozen(self):
+    return self._immutable
+
+  # ---- access -----------------------------------------------------------
+
+  def __getattr__(self, name):
+    if name.startswith('__'):
+      raise AttributeError(name)
+    params = self.__dict__['_params']
+    if name not in params:
+      if name == 'cls' and '_cls' in self.__dict__:
+        return self.__dict__['_cls']
+      raise AttributeError(_UnknownNameMessage(name, params))
+    return params[name].value
+
+  def __setattr__(self, name, value):
+    if self._immutable:
+      raise TypeError(f'This Params is frozen; cannot set {name!r}.')
+    if name not in self._params:
+      if name == 'cls' and '_cls' in self.__dict__:
+        self.__dict__['_cls'] = value
+        return
+      raise AttributeError(_UnknownNameMessage(name, self._params))
+    self._params[name].value = value
+
+  def __contains__(self, name):
+    try:
+      parent, key = self._ResolveParent(name)
+    except AttributeError:
+      return False
+    return key in parent._params  # pylint: disable=protected-access
+
+  def __dir__(self):
+    return sorted(set(super().__dir__()) | set(self._params))
+
+  def __len__(self):
+    return len(self._params)
+
+  def __eq__(self, other):
+    if not isinstance(other, Params):
+      return False
+    return (list(self._params) == list(other._params) and all(
+        _ValuesEqual(self._params[k].value, other._params[k].value)
+        for k in self._params))
+
+  def __ne__(self, other):
+    return not self == other
+
+  __hash__ = None
+
+  def _ResolveParent(self, dotted_name):
+    parts = dotted_name.split('.')
+    node = self
+    for i, part in enumerate(parts[:-1]):
+      if part not in node._params:  # pylint: disable=protected-access
+        raise AttributeError(
+            _UnknownNameMessage('.'.join(parts[:i + 1]), node._params))  # pylint: disable=protected-access
+      node = node._params[part].value  # pylint: disable=protected-access
+      if not isinstance(node, Params):
+        raise AttributeError(
+            f'{".".join(parts[:i + 1])!r} is not a nested Params; cannot '
+            f'reach {dotted_name!r}.')
+    return node, parts[-1]
+
+  def Get(self, name):
+    """Reads a param; a dotted name reaches into nested params."""
+    parent, key = self._ResolveParent(name)
+    return getattr(parent, key)
+
+  def Set(self, **kwargs):
+    """Sets params and returns self; keys may be dotted, e.g. `Set(**{'a.b': 1})`."""
+    for name, value in kwargs.items():
+      parent, key = self._ResolveParent(name)
+      setattr(parent, key, value)
+    return self
+
+  def GetDoc(self, name):
+    parent, key = self._ResolveParent(name)
+    if key not in parent._params:  # pylint: disable=protected-access
+      raise AttributeError(_UnknownNameMessage(name, parent._params))  # pylint: disable=protected-access
+    return parent._params[key].doc  # pylint: disable=protected-access
+
+  def IterParams(self):
+    """Yields (name, value) pairs in definition order."""
+    for name, p in self._params.items():
+      yield name, p.value
+
+  def Copy(self):
+    """A deep, unfrozen copy."""
+    return self._CopyTo(type(self).__new__(type(self)))
+
+  def _CopyTo(self, result):
+    result.__dict__['_params'] = copy.deepcopy(self._params)
+    result.__dict__['_immutable'] = False
+    for name, value in self.__dict__.items():
+      if name not in ('_params', '_immutable'):
+        result.__dict__[name] = copy.deepcopy(value)
+    for p in result._params.values():  # pylint: disable=protected-access
+      if isinstance(p.value, Params):
+        p.value.__dict__['_immutable'] = False
+    return result
+
+  def __deepcopy__(self, memo):
+    return self.Copy()
+
+  # ---- text ---------------------------------------------------------------
+
+  def _Flatten(self, prefix=''):
+    """Yields (dotted_name, value) for every leaf."""
+    for name, value in self.IterParams():
+      key = prefix + name
+      if isinstance(value, Params):
+        if value._HasTargetClassLine():  # pylint: disable=protected-access
+          yield key + '.cls', value.__dict__['_cls']
+        yield from value._Flatten(key + '.')  # pylint: disable=protected-access
+      elif _IsParamsList(value):
+        for i, item in enumerate(value):
+          if item._HasTargetClassLine():  # pylint: disable=protected-access
+            yield f'{key}[{i}].cls', item.__dict__['_cls']
+          yield from item._Flatten(f'{key}[{i}].')  # pylint: disable=protected-access
+        if not value:
+          yield key, []
+      else:
+        yield key, value
+
+  def _HasTargetClassLine(self):
+    return '_cls' in self.__dict__ and 'cls' not in self._params
+
+  def ToText(self):
+    """One `dotted.name : value` line per leaf, sorted: readable and diffable."""
+    return ''.join(f'{k} : {_ValueToText(v)}\n'
+                   for k, v in sorted(self._Flatten()))
+
+  def FromText(self, text):
+    """Sets params from `ToText` output or `a.b: 1; c: 'x'` overrides.
+
+    Values are parsed as Python literals where they can be; otherwise they
+    are kept as strings. Each value is checked against the current type.
+    """
+    for line in re.split(r'[\n;]', text):
+      line = line.strip()
+      if not line or line.startswith('#'):
+        continue
+      if ':' not in line:
+        raise ValueError(f'Cannot parse params line {line!r}; expected '
+                         '"name : value".')
+      key, value_text = line.split(':', 1)
+      key = key.strip()
+      if re.search(r'\[\d+\]', key):
+        node, leaf = self._ResolveIndexed(key)
+      else:
+        node, leaf = self._ResolveParent(key)
+      if leaf == 'cls' and node._HasTargetClassLine():  # pylint: disable=protected-access
+        old = node.__dict__['_cls']
+        if _ValueToText(old) != value_text.strip():
+          raise ValueError(f'{key}: FromText cannot change a class; it is '
+                           f'{_ValueToText(old)}.')
+        continue
+      if leaf not in node._params:  # pylint: disable=protected-access
+        raise AttributeError(_UnknownNameMessage(key, node._params))  # pylint: disable=protected-access
+      old = node._params[leaf].value  # pylint: disable=protected-access
+      setattr(node, leaf, _TextToValue(key, value_text.strip(), old))
+    return self
+
+  def _ResolveIndexed(self, dotted_name):
+    node = self
+    parts = dotted_name.split('.')
+    for part in parts[:-1]:
+      m = re.match(r'^([a-z0-9_]+)(?:\[(\d+)\])?$', part)
+      if not m:
+        raise AttributeError(f'Cannot parse params key {dotted_name!r}.')
+      node = node.Get(m.group(1))
+      if m.group(2) is not None:
+        node = node[int(m.group(2))]
+    return node, parts[-1]
+
+  def __str__(self):
+    return self.ToText()
+
+  def __repr__(self):
+    return f'{type(self).__name__}(\n{self.ToText()})'
+
+  def TextDiff(self, other):
+    """A readable diff: `-` lines are only in self, `+` only in other."""
+    mine = dict(self._Flatten())
+    theirs = dict(other._Flatten())  # pylint: disable=protected-access
+    lines = []
+    for key in sorted(set(mine) | set(theirs)):
+      if key in mine and key not in theirs:
+        lines.append(f'- {key} : {_ValueToText(mine[key])}')
+      elif key in theirs and key not in mine:
+        lines.append(f'+ {key} : {_ValueToText(theirs[key])}')
+      elif not _ValuesEqual(mine[key], theirs[key]):
+        lines.append(f'- {key} : {_ValueToText(mine[key])}')
+        lines.append(f'+ {key} : {_ValueToText(theirs[key])}')
+    return '\n'.join(lines) + ('\n' if lines else '')
+
+
+class InstantiableParams(Params):
+  """Params that know the class they configure."""
+
+  def __init__(self, cls=None):
+    super().__init__()
+    self.__dict__['_cls'] = cls
+
+  @property
+  def target_cls(self):
+    """The class that `Instantiate` builds (also `p.cls` unless redefined)."""
+    return self.__dict__['_cls']
+
+  def Instantiate(self, **kwargs):
+    """Builds `cls(self)`; extra keyword arguments go to the constructor."""
+    if self.target_cls is None:
+      raise ValueError('This InstantiableParams has no cls to instantiate.')
+    return self.target_cls(self, **kwargs)
+
+  def __eq__(self, other):
+    return (isinstance(other, InstantiableParams) and
+            self.target_cls is other.target_cls and super().__eq__(other))
+
+  __hash__ = None
+
+
+def _IsParamsList(value):
+  return (isinstance(value, (list, tuple)) and value and
+          all(isinstance(v, Params) for v in value))
+
+
+def _ValuesEqual(a, b):
+  if isinstance(a, Params) or isinstance(b, Params):
+    return isinstance(a, Params) and isinstance(b, Params) and a == b
+  try:
+    eq = a == b
+    if isinstance(eq, bool):
+      return eq
+    return bool(all(eq)) if hasattr(eq, '__iter__') else bool(eq)
+  except Exception:  # pylint: disable=broad-except
+    return a is b
+
+
+def _ValueToText(value):
+  if isinstance(value, type) or callable(value) and hasattr(value, '__qualname__'):
+    return f'{value.__module__}.{value.__qualname__}'
+  if isinstance(value, enum.Enum):
+    return f'{type(value).__module__}.{type(value).__qualname__}.{value.name}'
+  return repr(value)
+
+
+def _TextToValue(key, text, old):
+  """Parses `text` into a value of the same kind as `old`."""
+  if isinstance(old, type) or (callable(old) and hasattr(old, '__qualname__')
+                               and not isinstance(old, Params)):
+    return _ImportSymbol(key, text)
+  if isinstance(old, enum.Enum):
+    name = text.rsplit('.', 1)[-1]
+    return type(old)[name]
+  try:
+    value = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    if re.match(r'^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$', text) and old is None:
+      try:
+        return _ImportSymbol(key, text)
+      except ValueError:
+        pass
+    value = text
+  if old is None or value is None:
+    return value
+  if isinstance(old, bool) and not isinstance(value, bool):
+    raise ValueError(f'{key}: expected a bool (True/False), received {text!r}.')
+  if isinstance(old, (int, float)) and not isinstance(old, bool):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+      raise ValueError(f'{key}: expected a number, received {text!r}.')
+    return type(old)(value) if isinstance(old, float) else value
+  if isinstance(old, str) and not isinstance(value, str):
+    return text
+  if isinstance(old, (list, tuple)) and isinstance(value, (list, tuple)):
+    return type(old)(value)
+  return value
+
+
+def _ImportSymbol(key, text):
+  module_name, _, attr = text.rpartition('.')
+  while module_name:
+    try:
+      module = importlib.import_module(module_name)
+      obj = module
+      for part in attr.split('.'):
+        obj = getattr(obj, part)
+      return obj
+    except (ImportError, AttributeError):
+      module_name, _, head = module_name.rpartition('.')
+      attr = head + '.' + attr
+  raise ValueError(f'{key}: cannot import {text!r}.')
