@@ -1,0 +1,203 @@
+"""Core tfpipe layers: fully connected, dropout and the sequential container.
+
+These are the building blocks the other layer modules compose, and
+`SequentialLayer` is the container the GPipe partitioner cuts into cells, so
+its build order and cost model are what make pipelining placement correct.
+The small helpers here (activations, dtype sizes, position counts) are shared
+by every cost model in `tfpipe.layers`.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import base_layer
+
+# Named activations, so params stay plain strings that print and parse.
+ACTIVATIONS = {
+    'none': tf.identity,
+    'relu': tf.nn.relu,
+    'relu6': tf.nn.relu6,
+    'gelu': lambda x: tf.nn.gelu(x, approximate=False),
+    'gelu_tanh': lambda x: tf.nn.gelu(x, approximate=True),
+    'tanh': tf.math.tanh,
+    'sigmoid': tf.math.sigmoid,
+    'swish': tf.nn.silu,
+    'softplus': tf.math.softplus,
+}
+
+
+def Activation(name):
+  """The activation function called `name` (a key of ACTIVATIONS)."""
+  if name not in ACTIVATIONS:
+    raise ValueError(f'Unknown activation {name!r}; use one of '
+                     f'{sorted(ACTIVATIONS)}.')
+  return ACTIVATIONS[name]
+
+
+def DtypeBytes(dtype):
+  """Bytes per element of `dtype`, for activation-size estimates."""
+  return tf.as_dtype(dtype).size
+
+
+def BatchSize(shape):
+  """The batch dim of a (nested) shape; 1 when unknown, so costs are per example."""
+  batch = base_layer.BatchDim(shape)
+  return 1 if batch is None else int(batch)
+
+
+def NumPositions(shape):
+  """Elements of `shape` excluding its last dim: rows a per-feature op runs on."""
+  batch = BatchSize(shape)
+  dims = [batch if d is None else int(d) for d in shape[:-1]]
+  return int(np.prod(dims)) if dims else 1
+
+
+def OutputBytes(shape, dtype):
+  """Bytes of an activation of `shape`, counting an unknown batch as 1."""
+  return float(DtypeBytes(dtype) *
+               base_layer.NumElements(shape, BatchSize(shape)))
+
+
+class FCLayer(base_layer.BaseLayer):
+  """Fully connected layer act(x @ w + b) applied to the last dim."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('input_dims', 0, 'Size of the last dim of the input.')
+    p.Define('output_dims', 0, 'Size of the last dim of the output.')
+    p.Define('activation', 'relu', 'Name of the activation (see ACTIVATIONS).')
+    p.Define('has_bias', True, 'Whether to add a learned bias.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.p
+    if p.input_dims <= 0 or p.output_dims <= 0:
+      raise ValueError(f'{p.name}: input_dims and output_dims must be > 0.')
+    self._act = Activation(p.activation)
+    self.w = self.CreateVariable('w', (p.input_dims, p.output_dims))
+    self.b = (self.CreateVariable('b', (p.output_dims,), 'zeros')
+              if p.has_bias else None)
+
+  def FProp(self, inputs):
+    out = tf.einsum('...i,io->...o', inputs, self.w)
+    if self.b is not None:
+      out += self.b
+    return self._act(out)
+
+  @classmethod
+  def FPropMeta(cls, p, input_shape):
+    out_shape = tuple(input_shape[:-1]) + (p.output_dims,)
+    rows = NumPositions(input_shape)
+    flops = 2.0 * rows * p.input_dims * p.output_dims
+    if p.has_bias:
+      flops += rows * p.output_dims
+    return base_layer.CostMeta(
+        output_shape=out_shape,
+        flops=flops,
+        num_params=p.input_dims * p.output_dims +
+        (p.output_dims if p.has_bias else 0),
+        activation_bytes=OutputBytes(out_shape, p.dtype))
+
+
+class DropoutLayer(base_layer.BaseLayer):
+  """Inverted dropout that a re-materialized forward pass repeats exactly.
+
+  Inside a pipeline step the mask comes from a stateless op seeded by the
+  step's seed (`StatelessSeed`), so `tf.recompute_grad` recomputes the same
+  mask and the gradient matches the forward pass. Outside a pipeline a Keras
+  seed generator is used, which advances on every call as usual.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('keep_prob', 1.0, 'Probability of keeping each element.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    if not 0.0 < self.p.keep_prob <= 1.0:
+      raise ValueError(f'{self.p.name}: keep_prob must be in (0, 1].')
+    self._seed_generator = None
+    if self.p.keep_prob < 1.0:
+      self._seed_generator = keras.random.SeedGenerator(
+          seed=self.p.random_seed, name='seed_generator')
+
+  def FProp(self, inputs, training=None):
+    keep_prob = self.p.keep_prob
+    if not training or keep_prob >= 1.0:
+      return inputs
+    seed = self.StatelessSeed()
+    if seed is None:
+      return keras.random.dropout(
+          inputs, rate=1.0 - keep_prob, seed=self._seed_generator)
+    uniform = tf.random.stateless_uniform(
+        tf.shape(inputs), seed=seed, dtype=inputs.dtype)
+    return tf.where(uniform < keep_prob, inputs / keep_prob,
+                    tf.zeros_like(inputs))
+
+  @classmethod
+  def FPropMeta(cls, p, input_shape):
+    return base_layer.CostMeta(
+        output_shape=tuple(input_shape),
+        flops=2.0 * base_layer.NumElements(input_shape,
+                                           BatchSize(input_shape)),
+        num_params=0,
+        activation_bytes=OutputBytes(input_shape, p.dtype))
+
+
+class SequentialLayer(base_layer.BaseLayer):
+  """Runs the layers of `p.sub` one after another.
+
+  This is the container the GPipe partitioner flattens and cuts into cells,
+  and the engine's cell class subclasses it, so it keeps the contract
+  simple: children are `self.sub`, built in order by `build` (so wrapped
+  Keras layers get their variables under the device scope active at build
+  time), and the cost is the sum of the children's chained costs.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('sub', [], 'Params of the layers to run, in order.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChildren('sub', self.p.sub)
+
+  def build(self, input_shape):
+    shape = input_shape
+    for child in self.sub:
+      if not child.built:
+        child.build(shape)
+      shape = child.compute_output_shape(shape)
+
+  def FProp(self, inputs, training=None):
+    outputs = inputs
+    for child in self.sub:
+      outputs = child(outputs, training=training)
+    return outputs
+
+  def compute_output_shape(self, input_shape):
+    shape = input_shape
+    for child in self.sub:
+      shape = child.compute_output_shape(shape)
+    return shape
+
+  @classmethod
+  def FPropMeta(cls, p, input_shape):
+    costs = []
+    shape = input_shape
+    for i, sub in enumerate(p.sub):
+      if not sub.name:
+        sub = sub.Copy().Set(name=f'sub_{i}')
+      cost = sub.target_cls.FPropMeta(sub, shape)
+      costs.append(cost)
+      shape = cost.output_shape
+    if not costs:
+      return base_layer.CostMeta(output_shape=tuple(input_shape))
+    return base_layer.SumCosts(costs)

@@ -1,0 +1,129 @@
+"""Normalization layers: batch norm (pipeline-aware) and layer norm.
+
+Batch norm is the one layer whose state depends on how a batch is split. In a
+GPipe step the same layer runs once per micro-batch; updating the moving
+averages each time would apply the decay M times to micro-batch statistics.
+Instead, when the pipeline installs a `DeferredStatsCollector`, the layer
+records each micro-batch's (mean, variance, count) and `ApplyDeferredStats`
+merges them exactly into full-batch statistics and updates once, so the
+moving averages after a pipelined step equal those of an unsplit step.
+"""
+
+import tensorflow as tf
+
+from tfpipe import base_layer
+from tfpipe.layers import core
+
+
+class BatchNormLayer(base_layer.BaseLayer):
+  """Batch normalization over all axes but the last."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', 0, 'Size of the last (channel) dim.')
+    p.Define('decay', 0.99, 'Moving-average momentum: weight of the old value.')
+    p.Define('epsilon', 1e-3, 'Added to the variance to avoid dividing by 0.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.p
+    if p.dim <= 0:
+      raise ValueError(f'{p.name}: dim must be > 0.')
+    self.gamma = self.CreateVariable('gamma', (p.dim,), 'ones')
+    self.beta = self.CreateVariable('beta', (p.dim,), 'zeros')
+    self.moving_mean = self.CreateVariable(
+        'moving_mean', (p.dim,), 'zeros', trainable=False)
+    self.moving_variance = self.CreateVariable(
+        'moving_variance', (p.dim,), 'ones', trainable=False)
+
+  def FProp(self, inputs, training=None):
+    if training:
+      axes = list(range(len(inputs.shape) - 1))
+      mean, variance = tf.nn.moments(inputs, axes)
+      collector = base_layer.CurrentStatsCollector()
+      if collector is not None:
+        count = tf.cast(tf.reduce_prod(tf.shape(inputs)[:-1]), tf.float32)
+        collector.Add(self, {'mean': mean, 'variance': variance}, count)
+      else:
+        self._UpdateMovingStats(mean, variance)
+    else:
+      mean, variance = self.moving_mean, self.moving_variance
+    return tf.nn.batch_normalization(inputs, mean, variance, self.beta,
+                                     self.gamma, self.p.epsilon)
+
+  def ApplyDeferredStats(self, records):
+    """Merges per-micro-batch statistics and updates the moving averages once.
+
+    Args:
+      records: list of (count, {'mean': m, 'variance': v}) as recorded by
+        FProp, count being the float32 number of elements reduced per channel.
+
+    Returns:
+      The update op in graph mode, None when executing eagerly.
+    """
+    counts = [tf.cast(c, tf.float32) for c, _ in records]
+    means = [tf.cast(s['mean'], tf.float32) for _, s in records]
+    variances = [tf.cast(s['variance'], tf.float32) for _, s in records]
+    total = tf.add_n(counts)
+    mean = tf.add_n([c * m for c, m in zip(counts, means)]) / total
+    # E[x^2] of each part is v + m^2; the merged variance is E[x^2] - mean^2.
+    second_moment = tf.add_n([
+        c * (v + tf.square(m)) for c, m, v in zip(counts, means, variances)
+    ]) / total
+    variance = tf.maximum(second_moment - tf.square(mean), 0.0)
+    return self._UpdateMovingStats(mean, variance)
+
+  def _UpdateMovingStats(self, mean, variance):
+    decay = self.p.decay
+    dtype = self.moving_mean.dtype
+    mean = tf.cast(mean, dtype)
+    variance = tf.cast(variance, dtype)
+    return tf.group(
+        self.moving_mean.value.assign(
+            decay * self.moving_mean.value + (1.0 - decay) * mean),
+        self.moving_variance.value.assign(
+            decay * self.moving_variance.value + (1.0 - decay) * variance))
+
+  @classmethod
+  def FPropMeta(cls, p, input_shape):
+    elements = base_layer.NumElements(input_shape, core.BatchSize(input_shape))
+    return base_layer.CostMeta(
+        output_shape=tuple(input_shape),
+        flops=8.0 * elements,
+        num_params=2 * p.dim,
+        activation_bytes=core.OutputBytes(input_shape, p.dtype))
+
+
+class LayerNorm(base_layer.BaseLayer):
+  """Layer normalization over the last dim, with learned scale and bias."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('input_dim', 0, 'Size of the last dim, which is normalized.')
+    p.Define('epsilon', 1e-6, 'Added to the variance to avoid dividing by 0.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.p
+    if p.input_dim <= 0:
+      raise ValueError(f'{p.name}: input_dim must be > 0.')
+    self.scale = self.CreateVariable('scale', (p.input_dim,), 'ones')
+    self.bias = self.CreateVariable('bias', (p.input_dim,), 'zeros')
+
+  def FProp(self, inputs):
+    mean, variance = tf.nn.moments(inputs, [-1], keepdims=True)
+    normed = (inputs - mean) * tf.math.rsqrt(variance + self.p.epsilon)
+    return normed * self.scale + self.bias
+
+  @classmethod
+  def FPropMeta(cls, p, input_shape):
+    elements = base_layer.NumElements(input_shape, core.BatchSize(input_shape))
+    return base_layer.CostMeta(
+        output_shape=tuple(input_shape),
+        flops=8.0 * elements,
+        num_params=2 * p.input_dim,
+        activation_bytes=core.OutputBytes(input_shape, p.dtype))
