@@ -1,0 +1,243 @@
+"""Runs a schedule: placement, re-materialization, order and gradient accumulation.
+
+The executor walks the schedule's actions in one global order that respects
+each device's list (`schedule.Validate` returns it) and emits, per action:
+
+  F(m, k)  cell k on micro-batch m, under `tf.device(devices[k])`, recorded by
+           its own `tf.GradientTape`. With re-materialization the cell runs
+           inside `tf.recompute_grad`, so the tape keeps only the cell's input
+           (the boundary activation) and the cell is recomputed at B(m, k).
+  B(m, k)  `tape.gradient` of cell k's output for micro-batch m, seeded with
+           the gradient that B(m, k+1) produced for that output; it yields the
+           gradient for cell k's input (sent on to B(m, k-1)) and for cell k's
+           variables (added to the accumulator).
+
+Inside a `tf.function` each action gets a control dependency on the previous
+action of the same device, so the runtime keeps the schedule's order (that is
+what bounds 1F1B's memory) while different devices still overlap. Eagerly,
+emitting in the global order is the order.
+
+Random ops see a seed unique to (step, micro-batch), entered inside the
+recomputed function, so a recompute draws the same dropout mask. Layers that
+defer statistics (batch norm) record them during the forward only; a
+recompute records nothing, and the merged statistics are applied once per
+step.
+"""
+
+import collections
+import contextlib
+
+import tensorflow as tf
+
+from tfpipe import base_layer
+from tfpipe.gpipe import schedule as schedule_lib
+
+REMAT_POLICIES = ('always', 'except_last', 'never')
+
+LossAndGradients = collections.namedtuple(
+    'LossAndGradients', ['loss', 'gradients', 'metrics'])
+LossAndGradients.__doc__ = (
+    'Result of a pipelined training step: the exact full-batch mean loss, '
+    'gradients aligned with the pipeline\'s trainable_variables, and metrics.')
+
+
+class _DiscardingCollector(base_layer.DeferredStatsCollector):
+  """Swallows statistics recorded while a cell is being recomputed."""
+
+  def Add(self, layer, stats, count):
+    del layer, stats, count
+
+
+def _SplitFloat(structure):
+  """Separates the floating leaves (differentiable) from the rest.
+
+  Returns (float_leaves, rebuild) where rebuild(new_float_leaves) puts new
+  floating leaves back into the original structure, keeping the others.
+  """
+  leaves = tf.nest.flatten(structure)
+  float_index = [i for i, t in enumerate(leaves)
+                 if t is not None and tf.as_dtype(t.dtype).is_floating]
+
+  def Rebuild(new_floats):
+    out = list(leaves)
+    for i, t in zip(float_index, new_floats):
+      out[i] = t
+    return tf.nest.pack_sequence_as(structure, out)
+  return [leaves[i] for i in float_index], Rebuild
+
+
+def _OrderAfter(previous):
+  """Control dependency on the previous action of a device (graph mode only)."""
+  if not previous or tf.executing_eagerly():
+    return contextlib.nullcontext()
+  return tf.control_dependencies([
+      t.values if isinstance(t, tf.IndexedSlices) else t
+      for t in previous if t is not None])
+
+
+def _ParseLoss(loss_output):
+  if isinstance(loss_output, (tuple, list)) and len(loss_output) == 2 and (
+      isinstance(loss_output[1], dict)):
+    return loss_output[0], loss_output[1]
+  return loss_output, {}
+
+
+def _Weighted(value, weight, batch_size):
+  """Micro-batch mean -> its share of the full-batch mean (see microbatch.py)."""
+  value = tf.convert_to_tensor(value)
+  if value.shape.rank == 0:
+    return tf.cast(value, tf.float32) * weight
+  return tf.reduce_sum(tf.cast(value, tf.float32)) / tf.cast(
+      batch_size, tf.float32)
+
+
+def _AsDense(g):
+  return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+class PipelineExecutor:
+  """Executes forward and forward+backward passes of cells along a schedule."""
+
+  def __init__(self, cells, cell_devices, schedule, remat_policy, name='pipe'):
+    if remat_policy not in REMAT_POLICIES:
+      raise ValueError(f'Unknown remat_policy {remat_policy!r}; expected one of '
+                       f'{list(REMAT_POLICIES)}. Received: '
+                       f'remat_policy={remat_policy!r}')
+    self._cells = cells
+    self._cell_devices = cell_devices
+    self._schedule = schedule
+    self._remat_policy = remat_policy
+    self._name = name
+    self._order = schedule_lib.Validate(schedule)
+    self._forward_order = schedule_lib.Validate(schedule.ForwardOnly(),
+                                                forward_only=True)
+
+  @property
+  def schedule(self):
+    return self._schedule
+
+  def UsesRemat(self, micro_batch, training):
+    if not training or self._remat_policy == 'never':
+      return False
+    if self._remat_policy == 'except_last':
+      return micro_batch != self._schedule.num_micro_batches - 1
+    return True
+
+  def _RunCell(self, k, x, training, seed, remat, collector):
+    """Runs cell k on x; with remat only x is kept for the backward pass."""
+    cell = self._cells[k]
+    float_in, rebuild_in = _SplitFloat(x)
+    state = {'calls': 0}
+
+    def CellFn(*float_args):
+      first = state['calls'] == 0
+      state['calls'] += 1
+      active = collector if first or collector is None else _DiscardingCollector()
+      with base_layer.StepSeed(seed), base_layer.CollectDeferredStats(active):
+        y = cell(rebuild_in(list(float_args)), training=training)
+      float_out, rebuild_out = _SplitFloat(y)
+      if first:
+        state['rebuild'] = rebuild_out
+      return float_out
+
+    try:
+      if remat:
+        float_out = tf.recompute_grad(CellFn)(*float_in)
+      else:
+        float_out = CellFn(*float_in)
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+      source = (f'the output of cell {k - 1} ({self._cells[k - 1].name})'
+                if k else 'the pipeline input')
+      shapes = tf.nest.map_structure(
+          lambda t: None if t is None else tuple(t.shape), x)
+      raise ValueError(
+          f'{self._name}: cell {k} ({cell.name}) failed on {source} with '
+          f'shapes {shapes}. Check that the cells\' layers fit each other '
+          f'(e.g. input_dims). Cause: {type(e).__name__}: {e}') from e
+    return state['rebuild'](list(float_out))
+
+  def Forward(self, micro_inputs, training, seeds, collector):
+    """Forward of every micro-batch; returns the last cell's outputs."""
+    last_cell = self._schedule.num_cells - 1
+    outputs = {}
+    last_on_device = {}
+    for action in self._forward_order:
+      _, m, k = action
+      d = self._schedule.device_of_cell[k]
+      x = micro_inputs[m] if k == 0 else outputs.pop((m, k - 1))
+      with tf.device(self._cell_devices[k]), _OrderAfter(
+          last_on_device.get(d)):
+        y = self._RunCell(k, x, training, seeds[m],
+                          self.UsesRemat(m, training), collector)
+      outputs[(m, k)] = y
+      last_on_device[d] = [t for t in tf.nest.flatten(y) if t is not None]
+    return [outputs[(m, last_cell)]
+            for m in range(self._schedule.num_micro_batches)]
+
+  def ForwardBackward(self, micro_inputs, micro_targets, weights, batch_size,
+                      loss_fn, training, seeds, collector):
+    """Runs every F and B action; returns LossAndGradients.
+
+    `loss_fn(outputs, targets)` is applied to each micro-batch on the last
+    cell's device and returns the micro-batch's mean loss (a scalar), or
+    per-example losses, optionally with a dict of scalar metrics:
+    `(loss, {'accuracy': acc})`. Scalars are weighted by n_m / N and
+    per-example losses summed and divided by N, so the total is the mean over
+    the whole batch however unevenly it was split.
+    """
+    num_cells = self._schedule.num_cells
+    last_cell = num_cells - 1
+    var_lists = [list(cell.trainable_variables) for cell in self._cells]
+    accumulated = [[None] * len(v) for v in var_lists]
+    outputs, tapes, input_grads = {}, {}, {}
+    last_on_device = {}
+    loss_total = None
+    metric_totals = {}
+    for action in self._order:
+      kind, m, k = action
+      d = self._schedule.device_of_cell[k]
+      with tf.device(self._cell_devices[k]), _OrderAfter(
+          last_on_device.get(d)):
+        if kind == schedule_lib.FORWARD:
+          x = micro_inputs[m] if k == 0 else outputs.pop((m, k - 1))
+          x_float = _SplitFloat(x)[0] if k > 0 else []
+          tape = tf.GradientTape()
+          with tape:
+            tape.watch(x_float)
+            y = self._RunCell(k, x, training, seeds[m],
+                              self.UsesRemat(m, training), collector)
+            if k == last_cell:
+              loss_m, metrics_m = _ParseLoss(
+                  loss_fn(y, None if micro_targets is None else
+                          micro_targets[m]))
+              target = _Weighted(loss_m, weights[m], batch_size)
+            else:
+              target = _SplitFloat(y)[0]
+          if k == last_cell:
+            loss_total = target if loss_total is None else loss_total + target
+            for name, value in metrics_m.items():
+              w = _Weighted(value, weights[m], batch_size)
+              metric_totals[name] = (w if name not in metric_totals else
+                                     metric_totals[name] + w)
+            last_on_device[d] = [target]
+          else:
+            outputs[(m, k)] = y
+            last_on_device[d] = list(target)
+          tapes[(m, k)] = (tape, x_float, target)
+        else:
+          tape, x_float, target = tapes.pop((m, k))
+          output_grads = None if k == last_cell else input_grads.pop(
+              (m, k + 1))
+          grads = tape.gradient(
+              target, list(x_float) + var_lists[k],
+              output_gradients=output_grads,
+              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+          if k > 0:
+            input_grads[(m, k)] = grads[:len(x_float)]
+          for i, g in enumerate(grads[len(x_float):]):
+            g = _AsDense(g)
+            accumulated[k][i] = g if accumulated[k][i] is None else (
+                accumulated[k][i] + g)
+          last_on_device[d] = [g for g in grads if g is not None]
+    gradients = [g for per_cell in accumulated for g in per_cell]
+    return LossAndGradients(loss_total, gradients, metric_totals)

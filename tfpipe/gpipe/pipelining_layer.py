@@ -1,0 +1,286 @@
+"""PipeliningLayer: K cells on K devices, M micro-batches, one synchronous gradient.
+
+    p = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=8,
+        devices=['/CPU:0', '/CPU:1'], remat_policy='always', schedule='gpipe')
+    pipe = p.Instantiate()
+    y = pipe(x)                                     # forward, any mode
+    out = pipe.ComputeLossAndGradients(x, labels, loss_fn)   # training step
+
+`pipe(x)` is an ordinary Keras call: under a `tf.GradientTape` the gradient
+flows through TensorFlow's autodiff (re-materialized per cell), which is what
+Keras' `fit` needs. `ComputeLossAndGradients` drives both passes itself along
+the schedule, applies the loss on the last cell per micro-batch (the full
+output is never gathered), and so lets 1F1B bound the activations in flight.
+
+Placement is decided at construction: cell k and all of its variables are
+created (and, for lazily-built Keras layers, built) under
+`tf.device(devices[k])`, and run there. Only cell outputs cross devices.
+"""
+
+import tensorflow as tf
+
+from tfpipe import base_layer
+from tfpipe.gpipe import cell as cell_lib
+from tfpipe.gpipe import executor as executor_lib
+from tfpipe.gpipe import microbatch
+from tfpipe.gpipe import schedule as schedule_lib
+
+
+def DefaultDevices():
+  """All GPUs, else all TPU cores, else all (logical) CPU devices."""
+  for kind in ('GPU', 'TPU', 'CPU'):
+    devices = tf.config.list_logical_devices(kind)
+    if devices:
+      return [d.name for d in devices]
+  return ['/CPU:0']
+
+
+def _CanonicalDevice(name):
+  spec = tf.DeviceSpec.from_string(name)
+  if spec.job is None:
+    spec = spec.replace(job='localhost', replica=0, task=0)
+  return spec.to_string()
+
+
+def ResolveDevices(devices, num_cells, round_robin_placement=False):
+  """Checks device names and returns one device per cell.
+
+  Raises:
+    ValueError: naming an unknown device, or saying how to place more cells
+      than there are devices.
+  """
+  devices = list(devices) if devices is not None else DefaultDevices()
+  if not devices:
+    raise ValueError('devices is empty; list one device per cell or pass None.')
+  known = {_CanonicalDevice(d.name): d.name
+           for d in tf.config.list_logical_devices()}
+  for d in devices:
+    try:
+      canonical = _CanonicalDevice(d)
+    except ValueError as e:
+      raise ValueError(f'devices: cannot parse device name {d!r}: {e}') from e
+    if canonical not in known:
+      raise ValueError(
+          f'devices: unknown device {d!r}. Available devices: '
+          f'{sorted(known.values())}. On CPU, split the CPU into logical '
+          'devices with tf.config.set_logical_device_configuration (or the '
+          "trainer's --num_devices); for remote devices connect to the "
+          'cluster first.')
+  if len(devices) < num_cells and not round_robin_placement:
+    raise ValueError(
+        f'{num_cells} cells need {num_cells} devices but devices lists '
+        f'{len(devices)}: {devices}. Use fewer partitions, list more devices, '
+        'or set round_robin_placement=True to place cell k on '
+        'devices[k % len(devices)].')
+  return [devices[k % len(devices)] for k in range(num_cells)]
+
+
+class PipeliningLayer(base_layer.BaseLayer):
+  """Pipelines a list of cells over devices with micro-batching (GPipe)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('cell_tpl', [], 'Params of the cells in order, e.g. from '
+             'PartitionSequentialLayers; cell k runs on devices[k].')
+    p.Define('num_micro_batches', 1, 'M: micro-batches each batch is split '
+             'into; ignored when micro_batch_size is set.')
+    p.Define('micro_batch_size', None, 'Examples per micro-batch; the '
+             'alternative to num_micro_batches (needs a static batch size).')
+    p.Define('batch_dim', 0, 'Axis of every input leaf that holds the batch.')
+    p.Define('devices', None, 'One device name per cell; None uses all GPUs, '
+             'else TPU cores, else CPU devices.')
+    p.Define('round_robin_placement', False, 'Allow fewer devices than cells '
+             'by placing cell k on devices[k % len(devices)].')
+    p.Define('remat_policy', 'always', "Re-materialization: 'always', "
+             "'except_last' (last micro-batch keeps activations) or 'never'.")
+    p.Define('schedule', 'gpipe', "Order of actions per device: 'gpipe' "
+             "(fill-drain) or '1f1b' (bounds activations in flight).")
+    p.Define('compile_step', True, 'Run ComputeLossAndGradients inside a '
+             'tf.function when it is called eagerly.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.p
+    if not p.cell_tpl:
+      raise ValueError(f'{p.name}: cell_tpl is empty; give the params of at '
+                       'least one cell (see gpipe.PartitionSequentialLayers).')
+    if p.micro_batch_size is None and (
+        not isinstance(p.num_micro_batches, int) or p.num_micro_batches < 1):
+      raise ValueError(f'{p.name}: num_micro_batches must be >= 1. Received: '
+                       f'num_micro_batches={p.num_micro_batches}')
+    if p.micro_batch_size is not None and p.micro_batch_size < 1:
+      raise ValueError(f'{p.name}: micro_batch_size must be >= 1. Received: '
+                       f'micro_batch_size={p.micro_batch_size}')
+    if p.remat_policy not in executor_lib.REMAT_POLICIES:
+      raise ValueError(
+          f'{p.name}: unknown remat_policy {p.remat_policy!r}; expected one '
+          f'of {list(executor_lib.REMAT_POLICIES)}.')
+    if p.schedule not in schedule_lib.SCHEDULES:
+      raise ValueError(f'{p.name}: unknown schedule {p.schedule!r}; expected '
+                       f'one of {sorted(schedule_lib.SCHEDULES)}.')
+    self._cell_devices = ResolveDevices(p.devices, len(p.cell_tpl),
+                                        p.round_robin_placement)
+    unique = list(dict.fromkeys(self._cell_devices))
+    self._device_of_cell = [unique.index(d) for d in self._cell_devices]
+    self.cells = []
+    for k, cell_p in enumerate(p.cell_tpl):
+      cell_p = cell_p.Copy()
+      if 'name' in cell_p and not cell_p.name:
+        cell_p.name = f'cell{k}'
+      with tf.device(self._cell_devices[k]):
+        self.cells.append(cell_p.Instantiate())
+    with tf.device(self._cell_devices[0]):
+      self._step_counter = self.add_weight(
+          name='step_counter', shape=(), dtype='int64', initializer='zeros',
+          trainable=False)
+    self._executors = {}
+    self._compiled_step = None
+
+  @property
+  def cell_devices(self):
+    """The device of each cell."""
+    return list(self._cell_devices)
+
+  @property
+  def num_cells(self):
+    return len(self.cells)
+
+  def build(self, input_shape):
+    shape = input_shape
+    for k, cell in enumerate(self.cells):
+      with tf.device(self._cell_devices[k]):
+        try:
+          if not cell.built:
+            cell.build(shape)
+          if k + 1 < len(self.cells) and not self.cells[k + 1].built:
+            shape = cell.compute_output_shape(shape)
+        except (ValueError, TypeError) as e:
+          source = f'the output of cell {k - 1}' if k else 'the pipeline input'
+          raise ValueError(
+              f'{self.p.name}: cell {k} ({cell.name}) cannot be built on '
+              f'{source} with shape {shape}: {e}') from e
+
+  def Executor(self, num_micro_batches):
+    """The executor (and validated schedule) for M micro-batches, cached."""
+    if num_micro_batches not in self._executors:
+      sched = schedule_lib.MakeSchedule(self.p.schedule, self.num_cells,
+                                        num_micro_batches,
+                                        self._device_of_cell)
+      self._executors[num_micro_batches] = executor_lib.PipelineExecutor(
+          self.cells, self._cell_devices, sched, self.p.remat_policy,
+          name=self.p.name)
+    return self._executors[num_micro_batches]
+
+  def _Split(self, inputs):
+    p = self.p
+    micro, sizes, batch_size = microbatch.Split(
+        inputs, p.num_micro_batches, p.batch_dim, p.micro_batch_size)
+    return micro, sizes, batch_size
+
+  def _Seeds(self, step, num_micro_batches):
+    base = tf.cast(step, tf.int64) * 1000003 + (self.p.random_seed or 0)
+    return [tf.stack([base, tf.constant(m, tf.int64)])
+            for m in range(num_micro_batches)]
+
+  def _NextStep(self, training):
+    step = tf.identity(self._step_counter)
+    if training:
+      self._step_counter.assign_add(1)
+    return step
+
+  def FProp(self, inputs, training=None):
+    training = bool(training)
+    micro, _, _ = self._Split(inputs)
+    executor = self.Executor(len(micro))
+    seeds = self._Seeds(self._NextStep(training), len(micro))
+    collector = base_layer.DeferredStatsCollector() if training else None
+    outputs = executor.Forward(micro, training, seeds, collector)
+    if collector is not None:
+      collector.Apply()
+    with tf.device(self._cell_devices[-1]):
+      return microbatch.Merge(outputs, self.p.batch_dim)
+
+  def ComputeLossAndGradients(self, inputs, targets, loss_fn, training=True,
+                              step=None):
+    """One pipelined forward+backward over the batch.
+
+    Args:
+      inputs: the first cell's input: a tensor or nested structure.
+      targets: anything with the same batch dimension (or None), split like
+        the inputs and handed to loss_fn with each micro-batch.
+      loss_fn: `loss_fn(outputs, targets)` for one micro-batch on the last
+        cell's device; returns the micro-batch's mean loss (or per-example
+        losses), optionally as `(loss, {'metric': value})`.
+      training: run layers in training mode (dropout, batch-norm stats).
+      step: int seeding this step's random ops; default: an internal counter
+        (saved with the layer's variables) that advances each call.
+
+    Returns:
+      LossAndGradients(loss, gradients, metrics): the exact mean loss over the
+      batch, gradients aligned with `self.trainable_variables`, and the
+      example-weighted metrics. Deferred batch-norm statistics are applied.
+    """
+    if not self.built:
+      self.build(tf.nest.map_structure(lambda t: tuple(t.shape), inputs))
+    if (self.p.compile_step and tf.executing_eagerly()):
+      if self._compiled_step is None:
+        self._compiled_step = tf.function(self._ComputeLossAndGradients,
+                                          reduce_retracing=True)
+      return self._compiled_step(inputs, targets, loss_fn, training, step)
+    return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
+                                         step)
+
+  def _ComputeLossAndGradients(self, inputs, targets, loss_fn, training, step):
+    self._CheckNoSharedVariables()
+    micro, sizes, batch_size = self._Split(inputs)
+    micro_targets = None
+    if targets is not None:
+      micro_targets, _, _ = microbatch.Split(
+          targets, len(micro), self.p.batch_dim)
+    executor = self.Executor(len(micro))
+    if step is None:
+      step = self._NextStep(training)
+    seeds = self._Seeds(step, len(micro))
+    weights = microbatch.Weights(sizes, batch_size)
+    collector = base_layer.DeferredStatsCollector() if training else None
+    result = executor.ForwardBackward(micro, micro_targets, weights,
+                                      batch_size, loss_fn, training, seeds,
+                                      collector)
+    if collector is not None:
+      collector.Apply()
+    return result
+
+  def _CheckNoSharedVariables(self):
+    owners = {}
+    for k, cell in enumerate(self.cells):
+      for v in cell.trainable_variables:
+        key = id(v)
+        if key in owners and owners[key] != k:
+          raise ValueError(
+              f'{self.p.name}: variable {v.path} is used by cell '
+              f'{owners[key]} and cell {k}. Cells on different devices cannot '
+              'share variables; give each cell its own (e.g. untie embeddings).')
+        owners[key] = k
+
+  @classmethod
+  def FPropMeta(cls, p, input_shape):
+    metas = []
+    shape = input_shape
+    for cell_p in p.cell_tpl:
+      meta = cell_p.target_cls.FPropMeta(cell_p, shape)
+      metas.append(meta)
+      shape = meta.output_shape
+    return base_layer.SumCosts(metas)
+
+  def CellCosts(self, input_shape):
+    """FPropMeta of each cell, chaining shapes: for inspection and simulation."""
+    metas = []
+    shape = input_shape
+    for cell_p in self.p.cell_tpl:
+      meta = cell_p.target_cls.FPropMeta(cell_p, shape)
+      metas.append(meta)
+      shape = meta.output_shape
+    return metas
