@@ -1,4 +1,4 @@
-"""Tests of FCLayer, DropoutLayer and SequentialLayer: values, costs, devices, fit."""
+"""Tests of FCLayer, DropoutLayer and SequentialLayer (values, costs, fit)."""
 
 import keras
 import numpy as np

@@ -41,13 +41,13 @@ def DtypeBytes(dtype):
 
 
 def BatchSize(shape):
-  """The batch dim of a (nested) shape; 1 when unknown, so costs are per example."""
+  """Batch dim of a (nested) shape; 1 if unknown, so costs are per example."""
   batch = base_layer.BatchDim(shape)
   return 1 if batch is None else int(batch)
 
 
 def NumPositions(shape):
-  """Elements of `shape` excluding its last dim: rows a per-feature op runs on."""
+  """Elements of `shape` but its last dim: the rows a per-feature op runs on."""
   batch = BatchSize(shape)
   dims = [batch if d is None else int(d) for d in shape[:-1]]
   return int(np.prod(dims)) if dims else 1
