@@ -23,9 +23,12 @@ def _ClosestNames(name, candidates, n=3):
 
 def _UnknownNameMessage(name, candidates, what='param'):
   msg = f'Unknown {what} {name!r}.'
-  close = _ClosestNames(name, candidates)
+  # Match the last component only: 'a.b.nmae' suggests 'a.b.name'.
+  prefix, _, leaf = name.rpartition('.')
+  close = _ClosestNames(leaf, candidates)
   if close:
-    msg += ' Did you mean ' + ' or '.join(repr(c) for c in close) + '?'
+    msg += ' Did you mean ' + ' or '.join(
+        repr(f'{prefix}.{c}' if prefix else c) for c in close) + '?'
   elif candidates:
     msg += ' Defined names: ' + ', '.join(sorted(candidates)) + '.'
   return msg
@@ -86,6 +89,9 @@ class Params:
     for p in self._params.values():
       if isinstance(p.value, Params):
         p.value.Freeze()
+      elif _IsParamsList(p.value):
+        for item in p.value:
+          item.Freeze()
     return self
 
   @property
@@ -156,13 +162,19 @@ class Params:
   def Get(self, name):
     """Reads a param; a dotted name reaches into nested params."""
     parent, key = self._ResolveParent(name)
-    return getattr(parent, key)
+    try:
+      return getattr(parent, key)
+    except AttributeError:  # Name the full dotted key, not just its leaf.
+      raise AttributeError(_UnknownNameMessage(name, parent._params)) from None  # pylint: disable=protected-access
 
   def Set(self, **kwargs):
     """Sets params and returns self; keys may be dotted, e.g. `Set(**{'a.b': 1})`."""
     for name, value in kwargs.items():
       parent, key = self._ResolveParent(name)
-      setattr(parent, key, value)
+      try:
+        setattr(parent, key, value)
+      except AttributeError:  # Name the full dotted key, not just its leaf.
+        raise AttributeError(_UnknownNameMessage(name, parent._params)) from None  # pylint: disable=protected-access
     return self
 
   def GetDoc(self, name):
@@ -228,7 +240,7 @@ class Params:
     Values are parsed as Python literals where they can be; otherwise they
     are kept as strings. Each value is checked against the current type.
     """
-    for line in re.split(r'[\n;]', text):
+    for line in _SplitStatements(text):
       line = line.strip()
       if not line or line.startswith('#'):
         continue
@@ -310,6 +322,31 @@ class InstantiableParams(Params):
             self.target_cls is other.target_cls and super().__eq__(other))
 
   __hash__ = None
+
+
+def _SplitStatements(text):
+  """Splits FromText input on newlines and on `;` outside string literals."""
+  out, cur, quote, i = [], [], None, 0
+  while i < len(text):
+    ch = text[i]
+    if quote and ch != '\n':  # A newline always ends a statement.
+      cur.append(ch)
+      if ch == '\\' and i + 1 < len(text):
+        cur.append(text[i + 1])
+        i += 1
+      elif ch == quote:
+        quote = None
+    elif ch in '\'"':
+      quote = ch
+      cur.append(ch)
+    elif ch in '\n;':
+      out.append(''.join(cur))
+      cur, quote = [], None
+    else:
+      cur.append(ch)
+    i += 1
+  out.append(''.join(cur))
+  return out
 
 
 def _IsParamsList(value):

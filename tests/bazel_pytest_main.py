@@ -1,0 +1,47 @@
+"""Runs one test file under pytest: the `main` of every Bazel `py_test`.
+
+Bazel runs a test's main module directly, but tfpipe's tests are pytest
+tests that rely on `tests/conftest.py` (8 logical CPUs, quiet logs) and on
+setup.cfg's pytest settings. Each `py_test` in BUILD therefore uses this file
+as `main`, with the test file's workspace-relative path as its argument:
+
+    py_test(
+        name = "hyperparams_test",
+        srcs = ["tests/hyperparams_test.py", "tests/bazel_pytest_main.py"],
+        main = "tests/bazel_pytest_main.py",
+        args = ["tests/hyperparams_test.py"],
+        ...
+    )
+
+Extra arguments are passed on to pytest, e.g.
+`bazel test //:hyperparams_test --test_arg=-k --test_arg=Freeze`.
+"""
+
+import os
+import sys
+
+import pytest
+
+
+def main(argv):
+  if len(argv) < 2:
+    sys.stderr.write('usage: bazel_pytest_main.py TEST_FILE [PYTEST_ARGS...]\n')
+    return 2
+  # Bazel starts tests in the runfiles copy of the workspace root; under
+  # `bazel run` it may not, so anchor paths at this file's workspace root.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  os.chdir(root)
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  args = [argv[1], '-p', 'no:cacheprovider', '--rootdir', root]
+  if os.path.exists(os.path.join(root, 'setup.cfg')):
+    args += ['-c', os.path.join(root, 'setup.cfg')]
+  # Bazel collects JUnit XML from here when it is set.
+  xml = os.environ.get('XML_OUTPUT_FILE')
+  if xml:
+    args.append('--junitxml=' + xml)
+  return int(pytest.main(args + argv[2:]))
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv))
