@@ -93,6 +93,7 @@ class _StepContext(threading.local):
     super().__init__()
     self.seed = None
     self.stats_collector = None
+    self.recomputing = False
 
 
 _STEP_CONTEXT = _StepContext()
@@ -126,6 +127,22 @@ def CollectDeferredStats(collector):
 
 def CurrentStatsCollector():
   return _STEP_CONTEXT.stats_collector
+
+
+@contextlib.contextmanager
+def Recomputing(value=True):
+  """Marks a re-materialized forward: layers must not update state again."""
+  old = _STEP_CONTEXT.recomputing
+  _STEP_CONTEXT.recomputing = value
+  try:
+    yield
+  finally:
+    _STEP_CONTEXT.recomputing = old
+
+
+def IsRecomputing():
+  """True while the pipeline recomputes a cell's forward for its backward pass."""
+  return _STEP_CONTEXT.recomputing
 
 
 class DeferredStatsCollector:

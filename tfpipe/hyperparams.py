@@ -43,13 +43,24 @@ class _Param:
     self.doc = doc
 
   def __deepcopy__(self, memo):
-    # Values that cannot be deep-copied (classes, functions, tensors) are
-    # shared, as Lingvo does; nested Params are copied.
-    try:
-      value = copy.deepcopy(self.value, memo)
-    except Exception:  # pylint: disable=broad-except
-      value = self.value
-    return _Param(self.name, value, self.doc)
+    return _Param(self.name, _CopyValue(self.value, memo), self.doc)
+
+
+def _CopyValue(value, memo):
+  """Copies the data of a params tree and shares every other object.
+
+  Nested Params and plain containers are copied so a copied params can be
+  edited freely. Classes, functions, Keras layers, tensors and other objects
+  are shared, never cloned: a params that names an existing layer must keep
+  naming that very layer (and its variables).
+  """
+  if isinstance(value, Params):
+    return copy.deepcopy(value, memo)
+  if isinstance(value, dict):
+    return type(value)((k, _CopyValue(v, memo)) for k, v in value.items())
+  if isinstance(value, (list, tuple)) and not hasattr(value, '_fields'):
+    return type(value)(_CopyValue(v, memo) for v in value)
+  return value
 
 
 class Params:

@@ -35,10 +35,12 @@ from tfpipe.gpipe import schedule as schedule_lib
 REMAT_POLICIES = ('always', 'except_last', 'never')
 
 LossAndGradients = collections.namedtuple(
-    'LossAndGradients', ['loss', 'gradients', 'metrics'])
+    'LossAndGradients', ['loss', 'gradients', 'metrics', 'action_times'],
+    defaults=[None])
 LossAndGradients.__doc__ = (
     'Result of a pipelined training step: the exact full-batch mean loss, '
-    'gradients aligned with the pipeline\'s trainable_variables, and metrics.')
+    'gradients aligned with the pipeline\'s trainable_variables, metrics, and '
+    '(when recorded) {Action: (start, end)} float64 timestamp tensors.')
 
 
 class _DiscardingCollector(base_layer.DeferredStatsCollector):
@@ -73,6 +75,12 @@ def _OrderAfter(previous):
   return tf.control_dependencies([
       t.values if isinstance(t, tf.IndexedSlices) else t
       for t in previous if t is not None])
+
+
+def _Timestamp(after, device):
+  """A tf.timestamp() that runs after `after` on `device`."""
+  with tf.device(device), _OrderAfter(after):
+    return tf.timestamp()
 
 
 def _ParseLoss(loss_output):
@@ -133,7 +141,8 @@ class PipelineExecutor:
       first = state['calls'] == 0
       state['calls'] += 1
       active = collector if first or collector is None else _DiscardingCollector()
-      with base_layer.StepSeed(seed), base_layer.CollectDeferredStats(active):
+      with base_layer.StepSeed(seed), base_layer.CollectDeferredStats(
+          active), base_layer.Recomputing(not first):
         y = cell(rebuild_in(list(float_args)), training=training)
       float_out, rebuild_out = _SplitFloat(y)
       if first:
@@ -175,7 +184,7 @@ class PipelineExecutor:
             for m in range(self._schedule.num_micro_batches)]
 
   def ForwardBackward(self, micro_inputs, micro_targets, weights, batch_size,
-                      loss_fn, training, seeds, collector):
+                      loss_fn, training, seeds, collector, record_times=False):
     """Runs every F and B action; returns LossAndGradients.
 
     `loss_fn(outputs, targets)` is applied to each micro-batch on the last
@@ -184,6 +193,11 @@ class PipelineExecutor:
     `(loss, {'accuracy': acc})`. Scalars are weighted by n_m / N and
     per-example losses summed and divided by N, so the total is the mean over
     the whole batch however unevenly it was split.
+
+    With `record_times`, each action is bracketed by `tf.timestamp()` ops
+    ordered by control dependencies: the start waits for the action's inputs
+    and its device's previous action, the end for its outputs. That measures
+    when the runtime really ran it, for timelines and the measured bubble.
     """
     num_cells = self._schedule.num_cells
     last_cell = num_cells - 1
@@ -193,9 +207,20 @@ class PipelineExecutor:
     last_on_device = {}
     loss_total = None
     metric_totals = {}
+    action_times = {} if record_times else None
     for action in self._order:
       kind, m, k = action
       d = self._schedule.device_of_cell[k]
+      if record_times:
+        if kind == schedule_lib.FORWARD:
+          inputs = micro_inputs[m] if k == 0 else outputs[(m, k - 1)]
+        else:
+          inputs = tapes[(m, k)][2]
+          if k != last_cell:
+            inputs = list(inputs) + list(input_grads[(m, k + 1)])
+        start = _Timestamp(list(last_on_device.get(d, [])) +
+                           tf.nest.flatten(inputs), self._cell_devices[k])
+        last_on_device[d] = [start]
       with tf.device(self._cell_devices[k]), _OrderAfter(
           last_on_device.get(d)):
         if kind == schedule_lib.FORWARD:
@@ -239,5 +264,9 @@ class PipelineExecutor:
             accumulated[k][i] = g if accumulated[k][i] is None else (
                 accumulated[k][i] + g)
           last_on_device[d] = [g for g in grads if g is not None]
+      if record_times:
+        end = _Timestamp(last_on_device[d], self._cell_devices[k])
+        action_times[action] = (start, end)
+        last_on_device[d] = [end]
     gradients = [g for per_cell in accumulated for g in per_cell]
-    return LossAndGradients(loss_total, gradients, metric_totals)
+    return LossAndGradients(loss_total, gradients, metric_totals, action_times)

@@ -97,6 +97,9 @@ class PipeliningLayer(base_layer.BaseLayer):
              "'except_last' (last micro-batch keeps activations) or 'never'.")
     p.Define('schedule', 'gpipe', "Order of actions per device: 'gpipe' "
              "(fill-drain) or '1f1b' (bounds activations in flight).")
+    p.Define('num_replicas', 1, 'R: data-parallel copies of the pipeline; '
+             'devices then lists R*K devices, replica by replica, and the '
+             'batch is split R ways before micro-batching.')
     p.Define('compile_step', True, 'Run ComputeLossAndGradients inside a '
              'tf.function when it is called eagerly.')
     return p
@@ -121,10 +124,19 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.schedule not in schedule_lib.SCHEDULES:
       raise ValueError(f'{p.name}: unknown schedule {p.schedule!r}; expected '
                        f'one of {sorted(schedule_lib.SCHEDULES)}.')
-    self._cell_devices = ResolveDevices(p.devices, len(p.cell_tpl),
-                                        p.round_robin_placement)
-    unique = list(dict.fromkeys(self._cell_devices))
-    self._device_of_cell = [unique.index(d) for d in self._cell_devices]
+    if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
+      raise ValueError(f'{p.name}: num_replicas must be >= 1. Received: '
+                       f'num_replicas={p.num_replicas}')
+    num_cells = len(p.cell_tpl)
+    all_devices = ResolveDevices(p.devices, num_cells * p.num_replicas,
+                                 p.round_robin_placement)
+    # Replica r runs cell k on replica_devices[r][k]. Variables live with
+    # replica 0; other replicas read them there and their gradients are
+    # summed into one update, so the replicas can never drift apart.
+    self._replica_devices = [
+        all_devices[r * num_cells:(r + 1) * num_cells]
+        for r in range(p.num_replicas)]
+    self._cell_devices = self._replica_devices[0]
     self.cells = []
     for k, cell_p in enumerate(p.cell_tpl):
       cell_p = cell_p.Copy()
@@ -148,6 +160,24 @@ class PipeliningLayer(base_layer.BaseLayer):
   def num_cells(self):
     return len(self.cells)
 
+  @property
+  def num_replicas(self):
+    return self.p.num_replicas
+
+  @property
+  def device_mesh(self):
+    """[replica][stage] device names."""
+    return [list(r) for r in self._replica_devices]
+
+  def DeviceMeshText(self):
+    """The (replicas, stages) device mesh as a printable table."""
+    rows = [f'device mesh: {self.num_replicas} replica(s) x {self.num_cells} '
+            'stage(s)']
+    for r, devices in enumerate(self._replica_devices):
+      rows.append(f'  replica {r}: ' + '  '.join(
+          f'[{k}] {d}' for k, d in enumerate(devices)))
+    return '\n'.join(rows)
+
   def build(self, input_shape):
     shape = input_shape
     for k, cell in enumerate(self.cells):
@@ -163,26 +193,50 @@ class PipeliningLayer(base_layer.BaseLayer):
               f'{self.p.name}: cell {k} ({cell.name}) cannot be built on '
               f'{source} with shape {shape}: {e}') from e
 
-  def Executor(self, num_micro_batches):
+  def Executor(self, num_micro_batches, replica=0):
     """The executor (and validated schedule) for M micro-batches, cached."""
-    if num_micro_batches not in self._executors:
+    key = (replica, num_micro_batches)
+    if key not in self._executors:
+      devices = self._replica_devices[replica]
+      unique = list(dict.fromkeys(devices))
       sched = schedule_lib.MakeSchedule(self.p.schedule, self.num_cells,
                                         num_micro_batches,
-                                        self._device_of_cell)
-      self._executors[num_micro_batches] = executor_lib.PipelineExecutor(
-          self.cells, self._cell_devices, sched, self.p.remat_policy,
-          name=self.p.name)
-    return self._executors[num_micro_batches]
+                                        [unique.index(d) for d in devices])
+      self._executors[key] = executor_lib.PipelineExecutor(
+          self.cells, devices, sched, self.p.remat_policy, name=self.p.name)
+    return self._executors[key]
 
-  def _Split(self, inputs):
+  def _Split(self, inputs, targets=None):
+    """Splits the batch R ways, then each shard into micro-batches.
+
+    Returns a list over replicas of (micro_inputs, micro_targets, weights),
+    with weights n_m / N relative to the WHOLE batch, so summing every
+    replica's weighted losses and gradients gives the full-batch mean.
+    """
     p = self.p
-    micro, sizes, batch_size = microbatch.Split(
-        inputs, p.num_micro_batches, p.batch_dim, p.micro_batch_size)
-    return micro, sizes, batch_size
+    if p.num_replicas > 1:
+      shards, _, batch_size = microbatch.Split(
+          (inputs, targets), p.num_replicas, p.batch_dim)
+    else:
+      shards = [(inputs, targets)]
+      batch_size = None
+    result = []
+    for shard_inputs, shard_targets in shards:
+      micro, sizes, shard_size = microbatch.Split(
+          shard_inputs, p.num_micro_batches, p.batch_dim, p.micro_batch_size)
+      micro_targets = None
+      if shard_targets is not None:
+        micro_targets, _, _ = microbatch.Split(shard_targets, len(micro),
+                                               p.batch_dim)
+      if batch_size is None:
+        batch_size = shard_size
+      result.append((micro, micro_targets, microbatch.Weights(sizes,
+                                                              batch_size)))
+    return result, batch_size
 
-  def _Seeds(self, step, num_micro_batches):
+  def _Seeds(self, step, num_micro_batches, replica=0):
     base = tf.cast(step, tf.int64) * 1000003 + (self.p.random_seed or 0)
-    return [tf.stack([base, tf.constant(m, tf.int64)])
+    return [tf.stack([base, tf.constant(replica * 65536 + m, tf.int64)])
             for m in range(num_micro_batches)]
 
   def _NextStep(self, training):
@@ -193,18 +247,21 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def FProp(self, inputs, training=None):
     training = bool(training)
-    micro, _, _ = self._Split(inputs)
-    executor = self.Executor(len(micro))
-    seeds = self._Seeds(self._NextStep(training), len(micro))
+    shards, _ = self._Split(inputs)
+    step = self._NextStep(training)
     collector = base_layer.DeferredStatsCollector() if training else None
-    outputs = executor.Forward(micro, training, seeds, collector)
+    outputs = []
+    for r, (micro, _, _) in enumerate(shards):
+      seeds = self._Seeds(step, len(micro), r)
+      outputs.extend(self.Executor(len(micro), r).Forward(
+          micro, training, seeds, collector))
     if collector is not None:
       collector.Apply()
     with tf.device(self._cell_devices[-1]):
       return microbatch.Merge(outputs, self.p.batch_dim)
 
   def ComputeLossAndGradients(self, inputs, targets, loss_fn, training=True,
-                              step=None):
+                              step=None, record_times=False):
     """One pipelined forward+backward over the batch.
 
     Args:
@@ -217,6 +274,9 @@ class PipeliningLayer(base_layer.BaseLayer):
       training: run layers in training mode (dropout, batch-norm stats).
       step: int seeding this step's random ops; default: an internal counter
         (saved with the layer's variables) that advances each call.
+      record_times: also return each action's measured (start, end)
+        timestamps in `action_times` (keys are Actions, or (replica, Action)
+        pairs when num_replicas > 1).
 
     Returns:
       LossAndGradients(loss, gradients, metrics): the exact mean loss over the
@@ -229,29 +289,43 @@ class PipeliningLayer(base_layer.BaseLayer):
       if self._compiled_step is None:
         self._compiled_step = tf.function(self._ComputeLossAndGradients,
                                           reduce_retracing=True)
-      return self._compiled_step(inputs, targets, loss_fn, training, step)
+      return self._compiled_step(inputs, targets, loss_fn, training, step,
+                                 record_times)
     return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
-                                         step)
+                                         step, record_times)
 
-  def _ComputeLossAndGradients(self, inputs, targets, loss_fn, training, step):
+  def _ComputeLossAndGradients(self, inputs, targets, loss_fn, training, step,
+                               record_times):
     self._CheckNoSharedVariables()
-    micro, sizes, batch_size = self._Split(inputs)
-    micro_targets = None
-    if targets is not None:
-      micro_targets, _, _ = microbatch.Split(
-          targets, len(micro), self.p.batch_dim)
-    executor = self.Executor(len(micro))
+    shards, batch_size = self._Split(inputs, targets)
     if step is None:
       step = self._NextStep(training)
-    seeds = self._Seeds(step, len(micro))
-    weights = microbatch.Weights(sizes, batch_size)
     collector = base_layer.DeferredStatsCollector() if training else None
-    result = executor.ForwardBackward(micro, micro_targets, weights,
-                                      batch_size, loss_fn, training, seeds,
-                                      collector)
+    results = []
+    for r, (micro, micro_targets, weights) in enumerate(shards):
+      results.append(self.Executor(len(micro), r).ForwardBackward(
+          micro, micro_targets, weights, batch_size, loss_fn, training,
+          self._Seeds(step, len(micro), r), collector, record_times))
     if collector is not None:
       collector.Apply()
-    return result
+    if len(results) == 1:
+      return results[0]
+    with tf.device(self._cell_devices[-1]):
+      loss = tf.add_n([res.loss for res in results])
+      metrics = {name: tf.add_n([res.metrics[name] for res in results])
+                 for name in results[0].metrics}
+    gradients = []
+    for i, v in enumerate(self._CellVariables()):
+      with tf.device(v.value.device):
+        gradients.append(tf.add_n([res.gradients[i] for res in results]))
+    times = None
+    if record_times:
+      times = {(r, a): t for r, res in enumerate(results)
+               for a, t in res.action_times.items()}
+    return executor_lib.LossAndGradients(loss, gradients, metrics, times)
+
+  def _CellVariables(self):
+    return [v for cell in self.cells for v in cell.trainable_variables]
 
   def _CheckNoSharedVariables(self):
     owners = {}
