@@ -1,0 +1,104 @@
+"""Transformer language models on the synthetic sequence-reversal task.
+
+The task (see input_generator.SequenceTaskInput) scores only the tokens after
+the separator, which a model gets right only by attending to the right source
+position, so token accuracy measures real learning: chance is 1/14.
+TinyTransformerLm is the project's default experiment: 2 pipeline partitions
+on 2 CPU cores, it reaches >= 95% token accuracy in a few minutes.
+"""
+
+from models import transformer_lm
+from tfpipe import base_model_params
+from tfpipe import model_registry
+from tfpipe.trainer import input_generator
+from tfpipe.trainer import task
+
+
+@model_registry.RegisterSingleTaskModel
+class TinyTransformerLm(base_model_params.SingleTaskModelParams):
+  """2 blocks of width 64, reverse 8 tokens; 2 partitions x 4 micro-batches."""
+
+  VOCAB_SIZE = 16
+  LENGTH = 8
+  MODEL_DIM = 64
+  NUM_LAYERS = 2
+  NUM_HEADS = 4
+  HIDDEN_DIM = 128
+  BATCH_SIZE = 64
+  NUM_PARTITIONS = 2
+  NUM_MICRO_BATCHES = 4
+  MAX_STEPS = 1000
+  LEARNING_RATE = 3e-3
+  WARMUP_STEPS = 100
+
+  def Train(self):
+    return input_generator.SequenceTaskInput.Params().Set(
+        name='train', batch_size=self.BATCH_SIZE, seed=0,
+        vocab_size=self.VOCAB_SIZE, length=self.LENGTH, task='reverse')
+
+  def Task(self):
+    p = task.BaseTask.Params()
+    p.name = 'lm'
+    p.model = transformer_lm.TransformerLm.Params().Set(
+        vocab_size=self.VOCAB_SIZE, sequence_length=2 * self.LENGTH,
+        model_dim=self.MODEL_DIM, num_layers=self.NUM_LAYERS,
+        num_heads=self.NUM_HEADS, hidden_dim=self.HIDDEN_DIM)
+    p.pipeline.Set(num_partitions=self.NUM_PARTITIONS,
+                   num_micro_batches=self.NUM_MICRO_BATCHES)
+    p.train.Set(learning_rate=self.LEARNING_RATE, max_steps=self.MAX_STEPS,
+                save_interval_steps=200, log_interval_steps=100,
+                clip_gradient_norm=1.0)
+    p.train.lr_schedule.Set(warmup_steps=self.WARMUP_STEPS, decay='cosine',
+                            decay_steps=self.MAX_STEPS - self.WARMUP_STEPS,
+                            min_ratio=0.05)
+    p.eval.Set(interval_steps=500, num_batches=8)
+    return p
+
+
+@model_registry.RegisterSingleTaskModel
+class SmallTransformerLm(TinyTransformerLm):
+  """4 blocks of width 128, reverse 16 tokens; 4 partitions x 8 micro-batches."""
+
+  VOCAB_SIZE = 32
+  LENGTH = 16
+  MODEL_DIM = 128
+  NUM_LAYERS = 4
+  NUM_HEADS = 4
+  HIDDEN_DIM = 512
+  BATCH_SIZE = 64
+  NUM_PARTITIONS = 4
+  NUM_MICRO_BATCHES = 8
+  MAX_STEPS = 3000
+  LEARNING_RATE = 1e-3
+  WARMUP_STEPS = 300
+
+
+@model_registry.RegisterSingleTaskModel
+class LargeTransformerLm(TinyTransformerLm):
+  """24 blocks of width 1024 (~300M params): a GPU-scale pipeline of 8 cells."""
+
+  VOCAB_SIZE = 1024
+  LENGTH = 128
+  MODEL_DIM = 1024
+  NUM_LAYERS = 24
+  NUM_HEADS = 16
+  HIDDEN_DIM = 4096
+  BATCH_SIZE = 128
+  NUM_PARTITIONS = 8
+  NUM_MICRO_BATCHES = 32
+  MAX_STEPS = 20000
+  LEARNING_RATE = 3e-4
+  WARMUP_STEPS = 2000
+
+  def Task(self):
+    p = super().Task()
+    p.model.dropout_prob = 0.1
+    p.pipeline.remat_policy = 'always'
+    return p
+
+
+# Train the default (tiny) model:
+#   python -m tfpipe.trainer --model=lm.TinyTransformerLm --logdir=/tmp/lm
+# The larger ones:
+#   python -m tfpipe.trainer --model=lm.SmallTransformerLm --logdir=/tmp/lm_small
+#   python -m tfpipe.trainer --model=lm.LargeTransformerLm --logdir=/tmp/lm_large --run_locally=gpu

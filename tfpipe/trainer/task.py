@@ -1,0 +1,308 @@
+"""BaseTask: a pipelined model, its loss and its optimizer, built from params.
+
+The task is where the pieces meet: the model builder (models/) gives a list
+of layer params; the task seeds them, cuts them into cells with
+`gpipe.PartitionSequentialLayers` and wraps the cells in a
+`gpipe.PipeliningLayer`. A training step is ONE synchronous optimizer update
+per mini-batch: the pipeline accumulates the micro-batches' gradients into
+the exact full-batch gradient, which the task clips and applies. So the loss
+curve does not depend on the number of partitions or micro-batches, only on
+the seed, which is what the K=1 vs K=4 test checks.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfpipe import base_layer
+from tfpipe import gpipe
+from tfpipe import hyperparams
+from tfpipe.gpipe import executor as executor_lib
+from tfpipe.gpipe import partition as partition_lib
+from tfpipe.gpipe import schedule as schedule_lib
+from tfpipe.trainer import optimizer as optimizer_lib
+
+
+def PipelineParams():
+  """Params of how the model is cut into cells and run as a pipeline."""
+  p = hyperparams.Params()
+  p.Define('num_partitions', 1, 'Number of pipeline cells K, one per device.')
+  p.Define('num_micro_batches', 1,
+           'Number of micro-batches M each mini-batch is split into.')
+  p.Define('schedule', 'gpipe', 'Pipeline schedule: gpipe or 1f1b.')
+  p.Define('remat_policy', 'always',
+           'Re-materialization of cell activations: always, never or '
+           'except_last.')
+  p.Define('balance', 'flops',
+           'How cells are balanced: params, flops, memory, time, or a list '
+           'of layer counts per cell.')
+  p.Define('devices', None,
+           'Device of each cell; None takes the first K GPUs, or the first K '
+           'CPU logical devices when there is no GPU.')
+  return p
+
+
+def TrainParams():
+  """Params of the training loop and the optimizer."""
+  p = hyperparams.Params()
+  p.Define('learning_rate', 1e-3, 'Peak learning rate, scaled by lr_schedule.')
+  p.Define('optimizer', optimizer_lib.OptimizerParams(),
+           'Which optimizer and its settings.')
+  p.Define('lr_schedule', optimizer_lib.LearningRateScheduleParams(),
+           'Warmup and decay of the learning rate.')
+  p.Define('clip_gradient_norm', 1.0,
+           'Clip gradients to this global norm; 0 disables clipping.')
+  p.Define('max_steps', 1000, 'Number of optimizer steps to train for.')
+  p.Define('save_interval_steps', 100, 'Save a checkpoint every this many steps.')
+  p.Define('max_checkpoints_to_keep', 3, 'Number of recent checkpoints kept.')
+  p.Define('log_interval_steps', 50,
+           'Print a progress line and write summaries every this many steps.')
+  return p
+
+
+def EvalParams():
+  """Params of periodic and final evaluation."""
+  p = hyperparams.Params()
+  p.Define('interval_steps', 0,
+           'Evaluate every this many training steps; 0 evaluates only at the '
+           'end.')
+  p.Define('num_batches', 4, 'Number of eval batches each evaluation averages.')
+  return p
+
+
+def _ShortDeviceNames(device_type):
+  return [f'/{device_type}:{i}'
+          for i in range(len(tf.config.list_logical_devices(device_type)))]
+
+
+def AvailableDevices():
+  """Logical GPUs if there are any, else logical CPUs, as '/GPU:i' names."""
+  return _ShortDeviceNames('GPU') or _ShortDeviceNames('CPU')
+
+
+def ResolveDevices(pipeline_p, prefix='task.pipeline'):
+  """The K cell devices, or a ValueError saying how to get enough of them."""
+  k = pipeline_p.num_partitions
+  devices = list(pipeline_p.devices) if pipeline_p.devices else (
+      AvailableDevices())
+  if len(devices) < k:
+    raise ValueError(
+        f'{prefix}.num_partitions={k} needs {k} devices but only '
+        f'{len(devices)} are available ({", ".join(devices)}). Lower '
+        '--num_partitions, or on CPU raise --num_devices to at least '
+        f'{k} (it splits the CPU into logical devices).')
+  return devices[:k]
+
+
+def SeededLayerParams(model, random_seed):
+  """The model's layers with distinct initializer seeds derived from `random_seed`.
+
+  Seeds depend only on the layer's position in the list, so the initial
+  weights are the same however the list is partitioned.
+  """
+  result = []
+  base = (random_seed % 10000) * 100000
+  for i, lp in enumerate(model.LayerParamsList()):
+    lp = lp.Copy()
+    if 'random_seed' in lp and lp.random_seed is None:
+      lp.random_seed = base + 100 * i
+    result.append(lp)
+  return result
+
+
+def PartitionCells(task_p, model):
+  """The K cell params of the pipeline that `task_p` describes."""
+  pp = task_p.pipeline
+  balance = list(pp.balance) if isinstance(pp.balance,
+                                           (list, tuple)) else pp.balance
+  return gpipe.PartitionSequentialLayers(
+      SeededLayerParams(model, task_p.random_seed),
+      num_partitions=pp.num_partitions, balance=balance,
+      input_shape=model.InputShape(), input_dtype=model.InputDtype())
+
+
+def DescribeCells(cell_params, devices, input_shape):
+  """Per cell: name, device, layer names, params, forward flops, output.
+
+  Args:
+    cell_params: the cells' params, from PartitionCells.
+    devices: the cells' devices.
+    input_shape: the pipeline's input shape, batch dim included.
+
+  Returns:
+    A list of dicts, one per cell.
+  """
+  shape = tuple(input_shape)
+  rows = []
+  for k, cell in enumerate(cell_params):
+    metas = []
+    for lp in cell.sub:
+      meta = lp.target_cls.FPropMeta(lp, shape)
+      metas.append(meta)
+      shape = meta.output_shape
+    total = base_layer.SumCosts(metas)
+    rows.append({'cell': cell.name, 'device': devices[k],
+                 'layers': [lp.name for lp in cell.sub],
+                 'params': total.num_params, 'flops': total.flops,
+                 'output_bytes': metas[-1].activation_bytes if metas else 0,
+                 'output_shape': shape})
+  return rows
+
+
+class BaseTask:
+  """Builds the pipeline and optimizer; runs train and eval steps."""
+
+  @classmethod
+  def Params(cls):
+    p = hyperparams.InstantiableParams(cls)
+    p.Define('name', 'task', 'Name of the task, used in messages.')
+    p.Define('model', None,
+             'Params of the model builder (models/), which gives the layer '
+             'list and the loss.')
+    p.Define('random_seed', 1234,
+             'Seed of the initial weights and of the per-step dropout masks.')
+    p.Define('pipeline', PipelineParams(), 'How the model is pipelined.')
+    p.Define('train', TrainParams(), 'The training loop and optimizer.')
+    p.Define('eval', EvalParams(), 'Evaluation during and after training.')
+    return p
+
+  @classmethod
+  def CheckParams(cls, p, batch_sizes=None, prefix='task'):
+    """Raises ValueError naming the bad param before anything is built.
+
+    Args:
+      p: task params.
+      batch_sizes: {param name: batch size} of the inputs the task will see.
+      prefix: how the task params are named in messages.
+    """
+    if p.model is None:
+      raise ValueError(f'{prefix}.model is not set; set it to a model '
+                       'builder\'s params, e.g. TransformerLm.Params().')
+    pp = p.pipeline
+    if pp.num_partitions < 1:
+      raise ValueError(f'{prefix}.pipeline.num_partitions must be >= 1 (set '
+                       '--num_partitions).')
+    if pp.num_micro_batches < 1:
+      raise ValueError(f'{prefix}.pipeline.num_micro_batches must be >= 1 '
+                       '(set --num_micro_batches).')
+    if pp.schedule not in schedule_lib.SCHEDULES:
+      raise ValueError(f'{prefix}.pipeline.schedule={pp.schedule!r}; use one of '
+                       f'{sorted(schedule_lib.SCHEDULES)} (--schedule).')
+    if pp.remat_policy not in executor_lib.REMAT_POLICIES:
+      raise ValueError(
+          f'{prefix}.pipeline.remat_policy={pp.remat_policy!r}; use one of '
+          f'{list(executor_lib.REMAT_POLICIES)} (--remat_policy).')
+    if not isinstance(pp.balance, (list, tuple)) and (
+        pp.balance not in partition_lib.BALANCE_METHODS):
+      raise ValueError(
+          f'{prefix}.pipeline.balance={pp.balance!r}; use one of '
+          f'{list(partition_lib.BALANCE_METHODS)} or a list of layer counts.')
+    for name, batch_size in (batch_sizes or {}).items():
+      if batch_size < pp.num_micro_batches:
+        raise ValueError(
+            f'{name}={batch_size} is smaller than {prefix}.pipeline.'
+            f'num_micro_batches={pp.num_micro_batches}: every micro-batch '
+            f'needs an example. Raise {name} or lower --num_micro_batches.')
+      if batch_size % pp.num_micro_batches:
+        raise ValueError(
+            f'{name}={batch_size} is not a multiple of {prefix}.pipeline.'
+            f'num_micro_batches={pp.num_micro_batches}; make it one so '
+            'micro-batches are equal.')
+    tp = p.train
+    optimizer_lib.CheckParams(tp.optimizer, tp.lr_schedule, prefix + '.train')
+    for name in ('max_steps', 'save_interval_steps', 'log_interval_steps',
+                 'max_checkpoints_to_keep'):
+      if getattr(tp, name) < 1:
+        raise ValueError(f'{prefix}.train.{name} must be >= 1; received '
+                         f'{getattr(tp, name)}.')
+
+  def __init__(self, params):
+    self._params = params.Copy().Freeze()
+    p = self.p
+    self.CheckParams(p)
+    self.model = p.model.Instantiate()
+    self.devices = ResolveDevices(p.pipeline)
+    keras.utils.set_random_seed(p.random_seed)
+    self.cell_params = PartitionCells(p, self.model)
+    with tf.device('/CPU:0'):
+      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name='global_step')
+    pp = p.pipeline
+    self.pipe = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=self.cell_params,
+        num_micro_batches=pp.num_micro_batches, devices=self.devices,
+        schedule=pp.schedule, remat_policy=pp.remat_policy).Instantiate()
+    self._BuildPipe()
+    tp = p.train
+    self.learning_rate_schedule = optimizer_lib.WarmupDecaySchedule(
+        tp.learning_rate, tp.lr_schedule)
+    self.optimizer = optimizer_lib.BuildOptimizer(
+        tp.optimizer, self.learning_rate_schedule)
+    # Slots exist before a checkpoint restore, so they are restored too.
+    self.optimizer.build(self.pipe.trainable_variables)
+    self._train_step = tf.function(self._TrainStep)
+    self._eval_step = tf.function(self._EvalStep)
+
+  @property
+  def p(self):
+    return self._params
+
+  def _BuildPipe(self):
+    shape = self.model.InputShape()
+    if not self.pipe.built:
+      self.pipe.build(shape)
+
+  def CheckpointObjects(self):
+    """What a checkpoint saves: step, model variables and optimizer slots."""
+    return {'global_step': self.global_step, 'model': self.pipe,
+            'optimizer': self.optimizer}
+
+  # ---- steps --------------------------------------------------------------
+
+  def _TrainStep(self, inputs, targets):
+    variables = self.pipe.trainable_variables
+    out = self.pipe.ComputeLossAndGradients(
+        inputs, targets, self.model.Loss, training=True,
+        step=self.global_step)
+    grads = [tf.zeros_like(v) if g is None else g
+             for g, v in zip(out.gradients, variables)]
+    grads, grad_norm = optimizer_lib.ClipGradients(
+        grads, self.p.train.clip_gradient_norm)
+    lr = self.learning_rate_schedule(self.optimizer.iterations)
+    self.optimizer.apply_gradients(zip(grads, variables))
+    self.global_step.assign_add(1)
+    result = {'loss': out.loss, 'grad_norm': grad_norm, 'learning_rate': lr}
+    result.update(out.metrics)
+    return result
+
+  def TrainStep(self, batch):
+    """One synchronous optimizer update on (inputs, targets); returns scalars."""
+    inputs, targets = batch
+    return self._train_step(inputs, targets)
+
+  def _EvalStep(self, inputs, targets):
+    outputs = self.pipe(inputs, training=False)
+    loss, metrics = _ParseLoss(self.model.Loss(outputs, targets))
+    result = {'loss': loss}
+    result.update(metrics)
+    return result
+
+  def EvalStep(self, batch):
+    """Eval metrics of one (inputs, targets) batch, from a plain forward pass."""
+    inputs, targets = batch
+    return self._eval_step(inputs, targets)
+
+  def Evaluate(self, dataset, num_batches):
+    """Means of the eval metrics over the first `num_batches` of `dataset`."""
+    totals = {}
+    count = 0
+    for batch in dataset.take(num_batches):
+      for name, value in self.EvalStep(batch).items():
+        totals[name] = totals.get(name, 0.0) + float(value)
+      count += 1
+    return {name: total / max(count, 1) for name, total in totals.items()}
+
+
+def _ParseLoss(loss_output):
+  if isinstance(loss_output, (list, tuple)):
+    return loss_output[0], dict(loss_output[1])
+  return loss_output, {}
