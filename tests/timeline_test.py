@@ -1,0 +1,117 @@
+"""Tests of recorded pipeline timelines (tfpipe.timeline).
+
+A recorded step must be a faithful picture of the schedule: every action once,
+each device's actions in the schedule's order without overlap, and no action
+starting before the actions it needs have ended.
+"""
+
+import os
+
+import pytest
+import tensorflow as tf
+
+from tfpipe import gpipe
+from tfpipe import layers
+from tfpipe import timeline
+from tfpipe.gpipe import schedule as schedule_lib
+
+# Cross-device start/end timestamps wait on the same tensor, not on each
+# other (see timeline.DependencyViolations), so allow scheduler jitter.
+_CROSS_DEVICE_SLACK_S = 0.02
+
+
+def _Pipe(num_cells, num_micro_batches, schedule='gpipe', remat='always'):
+  layer_params = [
+      layers.FCLayer.Params().Set(name=f'fc{i}', input_dims=16, output_dims=16)
+      for i in range(2 * num_cells)]
+  cells = gpipe.PartitionSequentialLayers(layer_params, num_cells,
+                                          input_shape=(None, 16))
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches,
+      devices=[f'/CPU:{k}' for k in range(num_cells)], remat_policy=remat,
+      schedule=schedule)
+  return p.Instantiate()
+
+
+def _Loss(y, unused_targets):
+  return tf.reduce_mean(tf.square(y))
+
+
+@pytest.fixture(scope='module', params=[('gpipe', 'always'), ('1f1b', 'never')])
+def recorded(request):
+  schedule, remat = request.param
+  pipe = _Pipe(3, 4, schedule, remat)
+  x = tf.random.stateless_normal([8, 16], seed=[1, 2])
+  return timeline.RecordStep(pipe, x, None, _Loss)
+
+
+def testEveryActionOnce(recorded):
+  s = recorded.schedule
+  expected = {schedule_lib.Action(kind, m, k)
+              for kind in (schedule_lib.FORWARD, schedule_lib.BACKWARD)
+              for m in range(s.num_micro_batches) for k in range(s.num_cells)}
+  listed = [a for acts in s.device_actions for a in acts]
+  assert len(listed) == len(set(listed)) == len(expected)
+  assert set(recorded.start_times) == expected
+  assert set(recorded.end_times) == expected
+  for a in expected:
+    assert 0.0 <= recorded.start_times[a] <= recorded.end_times[a]
+
+
+def testDeviceOrderIsKept(recorded):
+  for d in range(recorded.num_devices):
+    rows = recorded.DeviceActions(d)
+    for (_, _, prev_end), (_, start, _) in zip(rows, rows[1:]):
+      assert start >= prev_end
+
+
+def testDependenciesAreRespected(recorded):
+  assert not timeline.DependencyViolations(recorded, _CROSS_DEVICE_SLACK_S)
+
+
+def testBubbleAndPrediction(recorded):
+  assert 0.0 <= recorded.bubble_fraction < 1.0
+  assert 0.0 <= recorded.predicted.bubble_fraction < 1.0
+  assert len(recorded.forward_costs) == recorded.schedule.num_cells
+  assert all(c > 0 for c in recorded.forward_costs + recorded.backward_costs)
+  summary = recorded.Summary()
+  assert 'measured' in summary and 'predicted' in summary
+  d = recorded.AsDict()
+  assert len(d['actions']) == 2 * 3 * 4
+
+
+def testTextHasOneRowPerDevice(recorded):
+  rows = recorded.Text().splitlines()
+  assert len(rows) == recorded.num_devices
+  for d, row in enumerate(rows):
+    assert row.startswith(f'dev{d}')
+    assert 'F' in row and 'B' in row
+  assert len(recorded.PredictedText().splitlines()) == recorded.num_devices
+
+
+def testPngIsWritten(recorded, tmp_path):
+  pytest.importorskip('matplotlib')
+  path = os.path.join(tmp_path, 'timeline.png')
+  recorded.SavePng(path)
+  with open(path, 'rb') as f:
+    head = f.read(8)
+  assert head == b'\x89PNG\r\n\x1a\n'
+  assert os.path.getsize(path) > 1000
+
+
+def testFromActionTimesNamesMissingActions():
+  s = gpipe.GPipeSchedule(2, 2)
+  with pytest.raises(ValueError, match='No recorded time'):
+    timeline.FromActionTimes(s, {schedule_lib.Action('F', 0, 0): (0.0, 1.0)})
+
+
+def testFromActionTimesOnSimulatedTimes():
+  s = gpipe.GPipeSchedule(3, 4)
+  sim = gpipe.Simulate(s)
+  times = {a: (sim.start_times[a] + 100.0, sim.end_times[a] + 100.0)
+           for a in sim.start_times}
+  tl = timeline.FromActionTimes(s, times)
+  assert tl.bubble_fraction == pytest.approx(sim.bubble_fraction)
+  assert tl.predicted.makespan == pytest.approx(sim.makespan)
+  assert tl.forward_costs == pytest.approx([1.0] * 3)
+  assert tl.backward_costs == pytest.approx([2.0] * 3)
