@@ -165,6 +165,9 @@ class PipelineExecutor:
           f'(e.g. input_dims). Cause: {type(e).__name__}: {e}') from e
     return state['rebuild'](list(float_out))
 
+  # The executor's loops are static Python over the schedule: AutoGraph must
+  # not convert them (that multiplied tracing time several times over).
+  @tf.autograph.experimental.do_not_convert
   def Forward(self, micro_inputs, training, seeds, collector):
     """Forward of every micro-batch; returns the last cell's outputs."""
     last_cell = self._schedule.num_cells - 1
@@ -183,6 +186,7 @@ class PipelineExecutor:
     return [outputs[(m, last_cell)]
             for m in range(self._schedule.num_micro_batches)]
 
+  @tf.autograph.experimental.do_not_convert
   def ForwardBackward(self, micro_inputs, micro_targets, weights, batch_size,
                       loss_fn, training, seeds, collector, record_times=False):
     """Runs every F and B action; returns LossAndGradients.

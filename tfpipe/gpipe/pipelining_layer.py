@@ -245,6 +245,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       self._step_counter.assign_add(1)
     return step
 
+  @tf.autograph.experimental.do_not_convert
   def FProp(self, inputs, training=None):
     training = bool(training)
     shards, _ = self._Split(inputs)
@@ -288,12 +289,14 @@ class PipeliningLayer(base_layer.BaseLayer):
     if (self.p.compile_step and tf.executing_eagerly()):
       if self._compiled_step is None:
         self._compiled_step = tf.function(self._ComputeLossAndGradients,
-                                          reduce_retracing=True)
+                                          reduce_retracing=True,
+                                          autograph=False)
       return self._compiled_step(inputs, targets, loss_fn, training, step,
                                  record_times)
     return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
                                          step, record_times)
 
+  @tf.autograph.experimental.do_not_convert
   def _ComputeLossAndGradients(self, inputs, targets, loss_fn, training, step,
                                record_times):
     self._CheckNoSharedVariables()
