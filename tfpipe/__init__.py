@@ -7,3 +7,11 @@ Data flows one way through the package:
 """
 
 __version__ = '0.1.0'
+
+
+def __getattr__(name):
+  """Imports `tfpipe.keras` on first use, so `import tfpipe` stays light."""
+  if name == 'keras':
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module('tfpipe.keras')
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -1,0 +1,267 @@
+"""pipeline(model): a Keras model trained through tfpipe's GPipe engine.
+
+    pm = tfpipe.keras.pipeline(model, num_partitions=4, num_micro_batches=8)
+    pm.compile(optimizer='adam', loss='sparse_categorical_crossentropy')
+    pm.fit(dataset, epochs=3)
+
+The functional graph is ordered and cut into stages (graph.py), each stage
+becomes a `KerasStageLayer` cell holding references to the model's own layers
+(stage.py), and the cells go to the same `gpipe.PipeliningLayer` as any
+tfpipe model: micro-batching, schedules, re-materialization and deferred
+batch norm are the engine's, not a second implementation.
+
+`PipelinedModel` is a `keras.Model`, so compile/fit/evaluate/predict,
+callbacks and checkpoints work. Its `train_step` runs one pipelined
+forward+backward (`ComputeLossAndGradients`) with the compiled loss applied
+per micro-batch on the last stage, and applies one optimizer update per
+mini-batch. Its variables are the original model's (same objects, same
+order), so whatever is trained through `pm` is in `model`, and weight files
+written by `pm.save_weights` are the plain model's.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.gpipe import partition
+from tfpipe.gpipe import pipelining_layer
+from tfpipe.keras import costs as costs_lib
+from tfpipe.keras import graph as graph_lib
+from tfpipe.keras import stage as stage_lib
+
+_MEAN_REDUCTIONS = ('sum_over_batch_size', 'mean', 'mean_with_sample_weight')
+
+
+def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pylint: disable=invalid-name
+             balance='time', remat_policy='always', schedule='gpipe',
+             profile_batch_size=8, place_variables=False):
+  """Wraps a Sequential or functional Keras model into a pipelined model.
+
+  Args:
+    model: a built `keras.Sequential` or functional `keras.Model`.
+    num_partitions: K, the number of stages (one device each).
+    num_micro_batches: M, micro-batches per mini-batch.
+    devices: one device per stage; None uses all GPUs, else all CPU devices.
+    balance: 'time', 'flops', 'params', 'memory', or a list of K numbers of
+      layer calls per stage (in the order `describe` prints).
+    remat_policy: 'always', 'except_last' or 'never'.
+    schedule: 'gpipe' or '1f1b'.
+    profile_batch_size: examples per profiled call for balance='time' (and
+      the batch size the 'flops'/'memory' estimates assume).
+    place_variables: move each stage's existing variables onto the stage's
+      device (their values are kept). Keras creates variables where the model
+      is built; this puts them where the stage runs.
+
+  Returns:
+    A `PipelinedModel` sharing `model`'s layers and variables.
+  """
+  if not isinstance(num_partitions, int) or num_partitions < 1:
+    raise ValueError('tfpipe.keras.pipeline: num_partitions must be an int '
+                     f'>= 1. Received: num_partitions={num_partitions!r}')
+  if not isinstance(model, keras.Model):
+    raise ValueError('tfpipe.keras.pipeline: model must be a keras.Model '
+                     f'(Sequential or functional). Received: {model!r}')
+  graph = graph_lib.ModelGraph(model)
+  graph_lib.CheckSupported(graph, remat_policy)
+  n = len(graph.steps)
+  if isinstance(balance, (list, tuple)):
+    counts = [int(c) for c in balance]
+    if len(counts) != num_partitions or min(counts) < 1 or sum(counts) != n:
+      raise ValueError(
+          f'tfpipe.keras.pipeline: an explicit balance lists the number of '
+          f'layer calls of each of the num_partitions={num_partitions} '
+          f'stages: positive numbers summing to {n}, the calls of model '
+          f'{model.name!r}. Received: balance={list(balance)}')
+    step_costs = costs_lib.StepCosts(graph, 'params')
+  else:
+    if n < num_partitions:
+      raise ValueError(
+          f'tfpipe.keras.pipeline: model {model.name!r} has {n} layer calls, '
+          f'too few to cut into num_partitions={num_partitions} non-empty '
+          'stages. Use num_partitions <= ' f'{n}.')
+    step_costs = costs_lib.StepCosts(graph, balance, profile_batch_size)
+    counts = partition.BlockPartition(step_costs, num_partitions)
+  plans = graph_lib.PlanStages(graph, counts)
+  return PipelinedModel(model, graph, plans, step_costs, balance,
+                        num_micro_batches=num_micro_batches, devices=devices,
+                        remat_policy=remat_policy, schedule=schedule,
+                        place_variables=place_variables)
+
+
+class PipelinedModel(keras.Model):
+  """A keras.Model running another model's layers on a GPipe pipeline."""
+
+  def __init__(self, model, graph, plans, step_costs, balance,
+               num_micro_batches, devices, remat_policy, schedule,
+               place_variables=False):
+    super().__init__(name=f'{model.name}_pipelined')
+    # Tracked first, so self.weights lists the model's variables in its order.
+    self.source_model = model
+    self._graph = graph
+    self._plans = plans
+    self._balance = balance
+    self._stage_costs = [
+        sum(step_costs[s.index] for s in plan.steps) for plan in plans]
+    cells = []
+    for plan in plans:
+      last = plan.index == len(plans) - 1
+      cells.append(stage_lib.KerasStageLayer.Params().Set(
+          name=f'stage{plan.index}', steps=plan.steps,
+          input_keys=plan.input_keys, output_keys=plan.output_keys,
+          outputs_struct=graph.outputs_struct if last else None,
+          stage_index=plan.index))
+    self.pipe = pipelining_layer.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches,
+        devices=devices, remat_policy=remat_policy,
+        schedule=schedule).Instantiate()
+    if place_variables:
+      PlaceVariables(self.pipe)
+    self.output_names = list(getattr(model, 'output_names', []) or [])
+    self.built = True
+
+  @property
+  def stage_plans(self):
+    return list(self._plans)
+
+  @property
+  def stage_costs(self):
+    return list(self._stage_costs)
+
+  def _Feed(self, inputs):
+    flat = self._graph.function._standardize_inputs(inputs)  # pylint: disable=protected-access
+    return dict(zip(self._graph.input_keys, flat))
+
+  def call(self, inputs, training=None):
+    return self.pipe(self._Feed(inputs), training=training)
+
+  def _LossFn(self, batch_size):
+    """loss_fn for ComputeLossAndGradients: compiled loss and metrics per micro-batch."""
+    scale_sum = _UsesSumReduction(self.loss)
+
+    def LossFn(y_pred, targets):
+      y, sample_weight = targets if targets is not None else (None, None)
+      loss = self._compile_loss(y, y_pred, sample_weight)
+      if self._compile_metrics is not None:
+        self._compile_metrics.update_state(y, y_pred, sample_weight)
+      if scale_sum:
+        # A summed loss adds up over micro-batches; undo the n_m / N weight.
+        n_m = tf.shape(keras.tree.flatten(y_pred)[0])[0]
+        loss = loss * tf.cast(batch_size, loss.dtype) / tf.cast(
+            n_m, loss.dtype)
+      return loss
+    return LossFn
+
+  def ComputeLossAndGradients(self, x, y=None, sample_weight=None,
+                              training=True):
+    """One pipelined forward+backward with the compiled loss and metrics.
+
+    Returns:
+      (loss, gradients): the exact mini-batch loss (plus weight
+      regularization) and gradients aligned with `self.trainable_variables`
+      (None for variables the model does not use).
+    """
+    if self._compile_loss is None:
+      raise ValueError(
+          f'{self.name}: compile the pipelined model with a loss before '
+          "training, e.g. pm.compile(optimizer='adam', loss='mse').")
+    feed = self._Feed(x)
+    batch_size = tf.shape(keras.tree.flatten(feed)[0])[0]
+    targets = None if y is None and sample_weight is None else (
+        y, sample_weight)
+    result = self.pipe.ComputeLossAndGradients(
+        feed, targets, self._LossFn(batch_size), training=training)
+    variables = self.trainable_variables
+    position = {id(v): i for i, v in enumerate(variables)}
+    grads = [None] * len(variables)
+    for v, g in zip(self.pipe._CellVariables(), result.gradients):  # pylint: disable=protected-access
+      grads[position[id(v)]] = g
+    loss = result.loss
+    regularized = [v for v in variables if v.regularizer is not None]
+    if regularized:
+      with tf.GradientTape() as tape:
+        penalty = tf.add_n([v.regularizer(v) for v in regularized])
+      for v, g in zip(regularized, tape.gradient(penalty, regularized)):
+        i = position[id(v)]
+        grads[i] = g if grads[i] is None else grads[i] + g
+      loss = loss + tf.cast(penalty, loss.dtype)
+    return loss, grads
+
+  def train_step(self, data):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    loss, grads = self.ComputeLossAndGradients(x, y, sample_weight)
+    batch_size = tf.shape(keras.tree.flatten(self._Feed(x))[0])[0]
+    self._loss_tracker.update_state(loss, sample_weight=batch_size)
+    self.optimizer.apply_gradients(
+        [(g, v) for g, v in zip(grads, self.trainable_variables)
+         if g is not None])
+    return self.get_metrics_result()
+
+  def save_weights(self, filepath, overwrite=True, **kwargs):
+    """Saves the original model's weights (loadable into the plain model)."""
+    return self.source_model.save_weights(filepath, overwrite=overwrite,
+                                          **kwargs)
+
+  def load_weights(self, filepath, **kwargs):
+    """Loads weights saved from the plain model (or by save_weights)."""
+    return self.source_model.load_weights(filepath, **kwargs)
+
+  def save(self, filepath, **kwargs):
+    """Saves the original (plain) model; the pipeline is rebuilt from it."""
+    return self.source_model.save(filepath, **kwargs)
+
+  def summary(self, print_fn=None, **kwargs):
+    """Prints each stage: layers, device, parameter count, estimated cost."""
+    del kwargs
+    (print_fn or print)(describe(self))
+
+
+def PlaceVariables(pipe):
+  """Re-creates each cell's variables on the cell's device, keeping values."""
+  for cell, device in zip(pipe.cells, pipe.cell_devices):
+    for v in cell.weights:
+      with tf.device(device):
+        v._value = tf.Variable(  # pylint: disable=protected-access
+            tf.identity(v.value), dtype=v.value.dtype, trainable=v.trainable,
+            name=v.value.name.split(':')[0])
+
+
+def _UsesSumReduction(loss):
+  """True if the compiled losses sum (rather than average) over the batch."""
+  reductions = {getattr(l, 'reduction', 'sum_over_batch_size')
+                for l in keras.tree.flatten(loss) if l is not None}
+  if 'sum' not in reductions:
+    return False
+  if reductions != {'sum'}:
+    raise ValueError(
+        'tfpipe.keras: the compiled losses mix reduction="sum" with '
+        f'averaging reductions ({sorted(map(str, reductions))}), which cannot '
+        'be weighted exactly per micro-batch. Use one kind of reduction.')
+  return True
+
+
+def describe(pm):  # pylint: disable=invalid-name
+  """A table of the stages of a PipelinedModel: layers, device, params, cost."""
+  if not isinstance(pm, PipelinedModel):
+    raise ValueError('tfpipe.keras.describe expects the model returned by '
+                     f'tfpipe.keras.pipeline. Received: {type(pm).__name__}')
+  pipe = pm.pipe
+  balance = pm._balance if isinstance(pm._balance, str) else 'explicit/params'  # pylint: disable=protected-access
+  rows = [f'Pipelined model {pm.source_model.name!r}: {pipe.num_cells} '
+          f'stages, num_micro_batches={pipe.p.num_micro_batches}, '
+          f'schedule={pipe.p.schedule!r}, remat_policy='
+          f'{pipe.p.remat_policy!r}, cost={balance!r}']
+  total = sum(pm.stage_costs) or 1.0
+  for plan, cell, device, cost in zip(pm.stage_plans, pipe.cells,
+                                      pipe.cell_devices, pm.stage_costs):
+    params = int(sum(np.prod(v.shape) for v in cell.trainable_variables))
+    names = [s.name for s in plan.steps]
+    rows.append(
+        f'stage {plan.index} on {device}: {len(names)} layer calls, '
+        f'{params:,} params, cost {cost:.4g} ({100.0 * cost / total:.1f}%)')
+    rows.append(f'  layers:   {names[0]} .. {names[-1]}' if len(names) > 6
+                else f'  layers:   {", ".join(names)}')
+    if len(names) > 6:
+      rows.append(f'            ({", ".join(names)})')
+    rows.append(f'  receives: {", ".join(plan.input_keys)}')
+    rows.append(f'  sends:    {", ".join(plan.output_keys)}')
+  return '\n'.join(rows)
