@@ -27,9 +27,9 @@ class TinyTransformerLm(base_model_params.SingleTaskModelParams):
   BATCH_SIZE = 64
   NUM_PARTITIONS = 2
   NUM_MICRO_BATCHES = 4
-  MAX_STEPS = 1000
+  MAX_STEPS = 300
   LEARNING_RATE = 3e-3
-  WARMUP_STEPS = 100
+  WARMUP_STEPS = 50
 
   def Train(self):
     return input_generator.SequenceTaskInput.Params().Set(
@@ -46,12 +46,12 @@ class TinyTransformerLm(base_model_params.SingleTaskModelParams):
     p.pipeline.Set(num_partitions=self.NUM_PARTITIONS,
                    num_micro_batches=self.NUM_MICRO_BATCHES)
     p.train.Set(learning_rate=self.LEARNING_RATE, max_steps=self.MAX_STEPS,
-                save_interval_steps=200, log_interval_steps=100,
+                save_interval_steps=100, log_interval_steps=50,
                 clip_gradient_norm=1.0)
     p.train.lr_schedule.Set(warmup_steps=self.WARMUP_STEPS, decay='cosine',
                             decay_steps=self.MAX_STEPS - self.WARMUP_STEPS,
                             min_ratio=0.05)
-    p.eval.Set(interval_steps=500, num_batches=8)
+    p.eval.Set(interval_steps=100, num_batches=8)
     return p
 
 

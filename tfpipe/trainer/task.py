@@ -38,6 +38,9 @@ def PipelineParams():
   p.Define('devices', None,
            'Device of each cell; None takes the first K GPUs, or the first K '
            'CPU logical devices when there is no GPU.')
+  p.Define('num_replicas', 1,
+           'R data-parallel pipeline replicas (R*K devices, replica-major); '
+           'their gradients are summed into the full-batch gradient.')
   return p
 
 
@@ -81,12 +84,13 @@ def AvailableDevices():
 
 def ResolveDevices(pipeline_p, prefix='task.pipeline'):
   """The K cell devices, or a ValueError saying how to get enough of them."""
-  k = pipeline_p.num_partitions
+  k = pipeline_p.num_partitions * pipeline_p.num_replicas
   devices = list(pipeline_p.devices) if pipeline_p.devices else (
       AvailableDevices())
   if len(devices) < k:
     raise ValueError(
-        f'{prefix}.num_partitions={k} needs {k} devices but only '
+        f'{prefix}.num_partitions x num_replicas = {k} needs {k} devices '
+        f'but only '
         f'{len(devices)} are available ({", ".join(devices)}). Lower '
         '--num_partitions, or on CPU raise --num_devices to at least '
         f'{k} (it splits the CPU into logical devices).')
@@ -230,6 +234,7 @@ class BaseTask:
     self.pipe = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=self.cell_params,
         num_micro_batches=pp.num_micro_batches, devices=self.devices,
+        num_replicas=pp.num_replicas,
         schedule=pp.schedule, remat_policy=pp.remat_policy).Instantiate()
     self._BuildPipe()
     tp = p.train

@@ -16,8 +16,23 @@ import os
 import time
 
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 
 CHECKPOINT_DIR = 'checkpoints'
+
+# TensorBoard's scalar plugin reads any float summary tagged with this
+# metadata; writing it directly needs no tensorboard package at train time.
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='scalars'))
+
+
+def WriteScalars(writer, step, scalars):
+  """Writes {tag: float} as TensorBoard scalars at `step` and flushes."""
+  with writer.as_default(step=step):
+    for tag, value in scalars.items():
+      tf.summary.write(tag, tf.constant(value, tf.float32),
+                       metadata=_SCALAR_METADATA)
+  writer.flush()
 
 
 def _PrintFlush(line):
@@ -65,10 +80,7 @@ class Trainer:
 
   def _EvaluateAndLog(self, writer):
     metrics = self.Evaluate()
-    with writer.as_default(step=self.step):
-      for name, value in metrics.items():
-        tf.summary.scalar(name, value)
-    writer.flush()
+    WriteScalars(writer, self.step, metrics)
     self._log(f'eval step {self.step}: {FormatMetrics(metrics)}')
     return metrics
 
@@ -102,10 +114,7 @@ class Trainer:
         step_time = elapsed / interval_steps
         metrics['step_time_s'] = step_time
         metrics['examples_per_sec'] = batch_size / max(step_time, 1e-9)
-        with train_writer.as_default(step=step):
-          for name, value in metrics.items():
-            tf.summary.scalar(name, value)
-        train_writer.flush()
+        WriteScalars(train_writer, step, metrics)
         self._log(
             f'step {step}/{tp.max_steps} loss={metrics["loss"]:.6f} '
             f'examples/s={metrics["examples_per_sec"]:.1f} '

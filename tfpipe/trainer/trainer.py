@@ -16,6 +16,8 @@ import sys
 from absl import app
 from absl import flags
 
+from tfpipe import multihost
+
 MODES = ('train', 'eval', 'inspect_params', 'inspect_model')
 
 flags.DEFINE_string('model', 'lm.TinyTransformerLm',
@@ -51,6 +53,8 @@ flags.DEFINE_integer('eval_interval_steps', None,
 flags.DEFINE_boolean('deterministic', True,
                      'Use deterministic TensorFlow ops, so reruns and resumed '
                      'runs give identical losses.')
+
+multihost.DefineFlags()
 
 FLAGS = flags.FLAGS
 
@@ -158,6 +162,11 @@ def InspectModel(p):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}.')
+  try:
+    if multihost.MaybeServe(FLAGS):
+      return 0
+  except (ValueError, RuntimeError) as e:
+    raise app.UsageError(_Message(e)) from None
   p = BuildParams()
   if FLAGS.mode == 'inspect_params':
     print(p.ToText(), end='')
@@ -166,6 +175,10 @@ def main(argv):
     raise app.UsageError(f'--logdir is required for --mode={FLAGS.mode}; '
                          'e.g. --logdir=/tmp/tfpipe_lm.')
   ConfigureDevices(p.task.pipeline.num_partitions)
+  try:
+    controller = multihost.SetUpController(FLAGS, p)
+  except (ValueError, RuntimeError, TimeoutError) as e:
+    raise app.UsageError(_Message(e)) from None
   CheckDevices(p)
   if FLAGS.mode == 'inspect_model':
     print(InspectModel(p))
@@ -175,6 +188,8 @@ def main(argv):
   from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
   tf.io.gfile.makedirs(FLAGS.logdir)
   trainer = train_loop.Trainer(p, FLAGS.logdir)
+  if controller:
+    controller.UseControllerIo(trainer)
   if FLAGS.mode == 'eval':
     if not trainer.RestoreLatest():
       raise app.UsageError(f'--mode=eval: no checkpoint in {FLAGS.logdir}; '
@@ -187,6 +202,10 @@ def main(argv):
   print(f'Training {FLAGS.model} in {FLAGS.logdir} on '
         f'{p.task.pipeline.num_partitions} partition(s) x '
         f'{p.task.pipeline.num_micro_batches} micro-batch(es).', flush=True)
+  if controller:
+    controller.Run(trainer.Train)
+    sys.stdout.flush()
+    os._exit(0)  # pylint: disable=protected-access
   trainer.Train()
   sys.stdout.flush()
   return 0

@@ -1,0 +1,90 @@
+"""Tests of learning-rate schedules, gradient clipping and optimizer building."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpipe.trainer import optimizer
+
+
+def _Schedule(lr=2.0, **kwargs):
+  p = optimizer.LearningRateScheduleParams().Set(**kwargs)
+  return optimizer.WarmupDecaySchedule(lr, p)
+
+
+def _Values(schedule, steps):
+  return np.array([float(schedule(s)) for s in steps])
+
+
+def testConstantWithLinearWarmup():
+  s = _Schedule(warmup_steps=4)
+  np.testing.assert_allclose(_Values(s, [0, 1, 3, 4, 100]),
+                             [0.5, 1.0, 2.0, 2.0, 2.0], rtol=1e-6)
+
+
+def testCosineDecay():
+  s = _Schedule(warmup_steps=10, decay='cosine', decay_steps=100,
+                min_ratio=0.1)
+  steps = [9, 10, 35, 60, 110, 500]
+  want = []
+  for step in steps:
+    frac = min(max(step - 10, 0) / 100, 1.0)
+    want.append(2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))))
+  np.testing.assert_allclose(_Values(s, steps), want, rtol=1e-5)
+
+
+def testExponentialDecay():
+  s = _Schedule(decay='exponential', decay_steps=10, decay_rate=0.5,
+                min_ratio=0.2)
+  np.testing.assert_allclose(_Values(s, [0, 10, 15, 20, 100]),
+                             [2.0, 1.0, 2 * 0.5**1.5, 0.5, 0.4], rtol=1e-5)
+
+
+def testInverseSqrtDecay():
+  s = _Schedule(warmup_steps=4, decay='inverse_sqrt')
+  np.testing.assert_allclose(_Values(s, [1, 3, 15, 63]),
+                             [1.0, 2.0, 1.0, 0.5], rtol=1e-6)
+
+
+def testBadScheduleNamesTheParam():
+  with pytest.raises(ValueError, match=r'lr_schedule.decay=.linear'):
+    _Schedule(decay='linear')
+
+
+def testClipByGlobalNorm():
+  grads = [tf.constant([3.0, 0.0]), tf.constant([[4.0]])]
+  clipped, norm = optimizer.ClipGradients(grads, 1.0)
+  assert float(norm) == pytest.approx(5.0)
+  np.testing.assert_allclose(clipped[0], [0.6, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(clipped[1], [[0.8]], rtol=1e-6)
+  unclipped, norm = optimizer.ClipGradients(grads, 0.0)
+  assert float(norm) == pytest.approx(5.0)
+  np.testing.assert_allclose(unclipped[0], [3.0, 0.0])
+  small, _ = optimizer.ClipGradients(grads, 10.0)
+  np.testing.assert_allclose(small[1], [[4.0]])
+
+
+def testBuildOptimizers():
+  p = optimizer.OptimizerParams()
+  assert isinstance(optimizer.BuildOptimizer(p, 0.1), keras.optimizers.Adam)
+  sgd = optimizer.BuildOptimizer(p.Copy().Set(type='sgd', momentum=0.5), 0.1)
+  assert isinstance(sgd, keras.optimizers.SGD)
+  assert sgd.momentum == 0.5
+  rms = optimizer.BuildOptimizer(p.Copy().Set(type='rmsprop'), 0.1)
+  assert isinstance(rms, keras.optimizers.RMSprop)
+  with pytest.raises(ValueError, match=r"optimizer.type='adagrad'"):
+    optimizer.BuildOptimizer(p.Copy().Set(type='adagrad'), 0.1)
+
+
+def testSgdStepUsesScheduledRate():
+  var = tf.Variable([1.0])
+  opt = optimizer.BuildOptimizer(
+      optimizer.OptimizerParams().Set(type='sgd', momentum=0.0),
+      _Schedule(lr=1.0, warmup_steps=2))
+  opt.apply_gradients([(tf.constant([1.0]), var)])
+  np.testing.assert_allclose(var.numpy(), [0.5])  # lr = 1 * (0+1)/2.
+  opt.apply_gradients([(tf.constant([1.0]), var)])
+  np.testing.assert_allclose(var.numpy(), [-0.5])

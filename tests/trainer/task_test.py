@@ -1,0 +1,127 @@
+"""Tests of BaseTask: pipelining does not change training, checks, cell tables."""
+
+import numpy as np
+import pytest
+
+from models import conv_classifier
+from models import mlp
+from tfpipe.trainer import input_generator
+from tfpipe.trainer import task as task_lib
+
+
+def _MlpTaskParams(num_partitions, num_micro_batches, **train):
+  p = task_lib.BaseTask.Params()
+  p.model = mlp.Mlp.Params().Set(input_dim=8, hidden_dim=16,
+                                 num_hidden_layers=5, num_classes=3)
+  p.pipeline.Set(num_partitions=num_partitions,
+                 num_micro_batches=num_micro_batches)
+  p.train.Set(learning_rate=1e-2, **train)
+  p.train.lr_schedule.Set(warmup_steps=5, decay='cosine', decay_steps=50)
+  return p
+
+
+def _Input(batch_size=16):
+  return input_generator.SyntheticClassificationInput.Params().Set(
+      batch_size=batch_size, input_dim=8, num_classes=3, seed=3).Instantiate()
+
+
+def _Losses(task, num_steps):
+  losses = []
+  for batch in _Input().GetDataset(0).take(num_steps):
+    out = task.TrainStep(batch)
+    losses.append(float(out['loss']))
+  return np.array(losses)
+
+
+def testPipelinedTrainingMatchesUnpipelined():
+  """50 steps with K=1, M=1 and with K=4, M=8 give the same loss curve."""
+  single = _MlpTaskParams(1, 1).Instantiate()
+  piped = _MlpTaskParams(4, 8).Instantiate()
+  assert len(piped.cell_params) == 4
+  assert piped.devices == ['/CPU:0', '/CPU:1', '/CPU:2', '/CPU:3']
+  for a, b in zip(single.pipe.trainable_variables,
+                  piped.pipe.trainable_variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  want = _Losses(single, 50)
+  got = _Losses(piped, 50)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+  assert want[-1] < 0.5 * want[0]
+  assert int(piped.global_step.numpy()) == 50
+
+
+def testTrainStepReportsScalars():
+  task = _MlpTaskParams(2, 2, clip_gradient_norm=1e-3).Instantiate()
+  batch = next(iter(_Input().GetDataset(0)))
+  out = task.TrainStep(batch)
+  assert set(out) >= {'loss', 'accuracy', 'grad_norm', 'learning_rate'}
+  assert float(out['learning_rate']) == pytest.approx(1e-2 / 5)
+  assert float(out['grad_norm']) > 1e-3  # Reported before clipping.
+  metrics = task.Evaluate(_Input().GetDataset(0), 2)
+  assert set(metrics) == {'loss', 'accuracy'}
+  assert 0.0 <= metrics['accuracy'] <= 1.0
+
+
+def testBatchNormModelTrains():
+  p = task_lib.BaseTask.Params()
+  p.model = conv_classifier.ConvClassifier.Params().Set(
+      image_size=8, channels=1, num_classes=3, base_width=4,
+      blocks_per_stage=[1, 1])
+  p.pipeline.Set(num_partitions=2, num_micro_batches=2)
+  task = p.Instantiate()
+  data = input_generator.SyntheticImageInput.Params().Set(
+      batch_size=8, image_size=8, channels=1, num_classes=3).Instantiate()
+  moving = [v for v in task.pipe.non_trainable_variables
+            if 'moving_mean' in v.path]
+  assert moving
+  before = [v.numpy().copy() for v in moving]
+  for batch in data.GetDataset(0).take(2):
+    assert np.isfinite(float(task.TrainStep(batch)['loss']))
+  assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, moving))
+
+
+@pytest.mark.parametrize('change, batch, message', [
+    ({'pipeline.num_micro_batches': 8}, 4,
+     r'input.batch_size=4 is smaller than task.pipeline.num_micro_batches=8'),
+    ({'pipeline.num_micro_batches': 3}, 16,
+     r'input.batch_size=16 is not a multiple of task.pipeline.'
+     r'num_micro_batches=3'),
+    ({'pipeline.schedule': 'zigzag'}, 16, r"task.pipeline.schedule='zigzag'"),
+    ({'pipeline.remat_policy': 'sometimes'}, 16,
+     r"task.pipeline.remat_policy='sometimes'"),
+    ({'pipeline.balance': 'luck'}, 16, r"task.pipeline.balance='luck'"),
+    ({'pipeline.num_partitions': 0}, 16, r'task.pipeline.num_partitions'),
+    ({'train.optimizer.type': 'adagrad'}, 16,
+     r"task.train.optimizer.type='adagrad'"),
+    ({'train.max_steps': 0}, 16, r'task.train.max_steps must be >= 1'),
+    ({'model': None}, 16, r'task.model is not set'),
+])
+def testCheckParamsNamesTheBadParam(change, batch, message):
+  p = _MlpTaskParams(1, 1).Set(**change)
+  with pytest.raises(ValueError, match=message):
+    task_lib.BaseTask.CheckParams(p, {'input.batch_size': batch})
+
+
+def testMorePartitionsThanDevices():
+  p = _MlpTaskParams(9, 1)
+  with pytest.raises(ValueError, match=r'task.pipeline.num_partitions.*9 needs '
+                     r'9 devices but only 8 .*--num_devices'):
+    task_lib.ResolveDevices(p.pipeline)
+  p.pipeline.devices = ['/CPU:1', '/CPU:0']
+  p.pipeline.num_partitions = 2
+  assert task_lib.ResolveDevices(p.pipeline) == ['/CPU:1', '/CPU:0']
+
+
+def testDescribeCells():
+  p = _MlpTaskParams(3, 1)
+  model = p.model.Instantiate()
+  cells = task_lib.PartitionCells(p, model)
+  rows = task_lib.DescribeCells(cells, ['/CPU:0', '/CPU:1', '/CPU:2'], (4, 8))
+  assert [r['device'] for r in rows] == ['/CPU:0', '/CPU:1', '/CPU:2']
+  layers = [name for r in rows for name in r['layers']]
+  assert layers == ['fc_0', 'fc_1', 'fc_2', 'fc_3', 'fc_4', 'logits']
+  want_params = 8 * 16 + 16 + 4 * (16 * 16 + 16) + 16 * 3 + 3
+  assert sum(r['params'] for r in rows) == want_params
+  assert rows[-1]['output_shape'] == (4, 3)
+  # Seeds are distinct per layer, so layers do not start identical.
+  seeds = [lp.random_seed for c in cells for lp in c.sub]
+  assert len(set(seeds)) == len(seeds)
