@@ -1,0 +1,46 @@
+"""Tests of the conv classifier builder: blocks, shapes, cost model, batch norm."""
+
+import numpy as np
+import tensorflow as tf
+
+from models import conv_classifier
+
+
+def testLayerListRunsAndCostModelMatches():
+  model = conv_classifier.ConvClassifier.Params().Set(
+      image_size=8, channels=2, num_classes=5, base_width=4,
+      blocks_per_stage=[2, 1]).Instantiate()
+  lps = model.LayerParamsList()
+  assert [lp.name for lp in lps] == [
+      'stem', 'stage0_block0', 'stage0_block1', 'stage1_block0', 'pool',
+      'logits']
+  x = tf.random.normal((3, 8, 8, 2))
+  shape = (3, 8, 8, 2)
+  for lp in lps:
+    layer = lp.Instantiate()
+    x = layer(x, training=True)
+    meta = lp.target_cls.FPropMeta(lp, shape)
+    shape = meta.output_shape
+    assert tuple(x.shape) == shape, lp.name
+    assert meta.num_params == sum(
+        int(np.prod(v.shape)) for v in layer.trainable_variables), lp.name
+  assert shape == (3, 5)
+
+
+def testResidualBlockProjectsOnlyWhenShapesChange():
+  same = conv_classifier.ResidualBlock.Params().Set(
+      name='b', in_channels=4, out_channels=4).Instantiate()
+  assert 'proj' not in same.children
+  down = conv_classifier.ResidualBlock.Params().Set(
+      name='b', in_channels=4, out_channels=8, stride=2).Instantiate()
+  assert 'proj' in down.children
+  out = down(tf.random.normal((2, 6, 6, 4)), training=False)
+  assert out.shape == (2, 3, 3, 8)
+  assert float(tf.reduce_min(out)) >= 0.0  # Ends in a ReLU.
+
+
+def testGlobalAveragePool():
+  layer = conv_classifier.GlobalAveragePoolLayer.Params().Set(
+      name='pool').Instantiate()
+  x = tf.reshape(tf.range(8, dtype=tf.float32), (1, 2, 2, 2))
+  np.testing.assert_allclose(layer(x), [[3.0, 4.0]])
