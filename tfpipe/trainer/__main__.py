@@ -1,4 +1,7 @@
-"""`python -m tfpipe.trainer`: the same entry point as `tfpipe-train`."""
+"""Usage: python -m tfpipe.trainer --model=lm.TinyTransformerLm --logdir=/tmp/lm
+
+Same entry point as `tfpipe-train`; --helpfull lists every flag.
+"""
 
 from tfpipe.trainer import trainer
 

@@ -15,6 +15,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from tfpipe import multihost
 
@@ -162,6 +163,10 @@ def InspectModel(p):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}.')
+  if not FLAGS['verbosity'].present:
+    # TensorFlow's INFO logs (e.g. per-save sharding timings) would drown the
+    # progress lines; --verbosity=0 brings them back.
+    logging.set_verbosity(logging.WARNING)
   try:
     if multihost.MaybeServe(FLAGS):
       return 0
