@@ -154,7 +154,7 @@ def Launch(controller_args):
                ','.join(f'127.0.0.1:{p}' for p in ports[1:]))
   workers = cluster.JobTasks(cluster.ParseClusterJobs(spec_text),
                              cluster.WORKER_JOB)
-  print(f'launcher: cluster {spec_text}', flush=True)
+  print(f'launcher: pid={os.getpid()} cluster {spec_text}', flush=True)
   job = Job()
   atexit.register(job.Close)
   for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
