@@ -112,8 +112,9 @@ class PipelinedModel(keras.Model):
           stage_index=plan.index))
     self.pipe = pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches,
-        devices=devices, remat_policy=remat_policy,
-        schedule=schedule).Instantiate()
+        devices=devices, remat_policy=remat_policy, schedule=schedule,
+        compile_step=False).Instantiate()
+    self._compiled_step = None
     if place_variables:
       PlaceVariables(self.pipe)
     self.output_names = list(getattr(model, 'output_names', []) or [])
@@ -165,11 +166,17 @@ class PipelinedModel(keras.Model):
           f'{self.name}: compile the pipelined model with a loss before '
           "training, e.g. pm.compile(optimizer='adam', loss='mse').")
     feed = self._Feed(x)
-    batch_size = tf.shape(keras.tree.flatten(feed)[0])[0]
     targets = None if y is None and sample_weight is None else (
         y, sample_weight)
-    result = self.pipe.ComputeLossAndGradients(
-        feed, targets, self._LossFn(batch_size), training=training)
+    if tf.executing_eagerly() and not self.run_eagerly:
+      # fit traces train_step itself; direct eager calls are compiled here
+      # (compile(run_eagerly=True) keeps them eager, e.g. for debugging).
+      if self._compiled_step is None:
+        self._compiled_step = tf.function(self._PipelineStep,
+                                          reduce_retracing=True)
+      result = self._compiled_step(feed, targets, training)
+    else:
+      result = self._PipelineStep(feed, targets, training)
     variables = self.trainable_variables
     position = {id(v): i for i, v in enumerate(variables)}
     grads = [None] * len(variables)
@@ -185,6 +192,11 @@ class PipelinedModel(keras.Model):
         grads[i] = g if grads[i] is None else grads[i] + g
       loss = loss + tf.cast(penalty, loss.dtype)
     return loss, grads
+
+  def _PipelineStep(self, feed, targets, training):
+    batch_size = tf.shape(keras.tree.flatten(feed)[0])[0]
+    return self.pipe.ComputeLossAndGradients(
+        feed, targets, self._LossFn(batch_size), training=training)
 
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -17,7 +17,7 @@ would corrupt, and are run here by hand:
   record nothing. Outside a pipeline step it updates immediately, as Keras
   does, unless it is being recomputed.
 * Dropout draws its mask with a stateless op seeded by the pipeline's
-  (step, micro-batch) seed and the layer's path, so the recomputed forward
+  (step, micro-batch) seed and the layer's name, so the recomputed forward
   drops the same units.
 """
 
@@ -99,7 +99,7 @@ def _Dropout(layer, inputs, training):
     dynamic = tf.shape(inputs)
     noise_shape = tf.stack([dynamic[i] if d is None else d
                             for i, d in enumerate(noise_shape)])
-  salt = tf.constant([base_layer._StableHash(layer.path), 0], tf.int64)  # pylint: disable=protected-access
+  salt = tf.constant([base_layer._StableHash(layer.name), 0], tf.int64)  # pylint: disable=protected-access
   return tf.nn.experimental.stateless_dropout(
       inputs, layer.rate, seed=tf.cast(seed, tf.int64) + salt,
       noise_shape=noise_shape)
@@ -164,9 +164,7 @@ class KerasStageLayer(base_layer.BaseLayer):
     if isinstance(op, keras.layers.BatchNormalization):
       kwargs.pop('training', None)
       return _BatchNorm(op, self._bn_stats[id(op)], args[0], training, kwargs)
-    if type(op) is keras.layers.Dropout or (  # pylint: disable=unidiomatic-typecheck
-        isinstance(op, keras.layers.Dropout) and hasattr(
-            op, '_get_noise_shape')):
+    if isinstance(op, keras.layers.Dropout):
       return _Dropout(op, args[0], training)
     if training is not None and getattr(op, '_call_has_training_arg', False):
       kwargs['training'] = training

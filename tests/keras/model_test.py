@@ -1,0 +1,261 @@
+"""tfpipe.keras.pipeline: gradients, fit, evaluate/predict and saving.
+
+The reference is always the plain Keras model on the same variables: the
+pipeline must compute the same gradients (per micro-batch where batch norm
+makes micro-batches differ), reach the same weights through fit, and write
+weight files the plain model loads.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+
+DEVICES = [f'/CPU:{i}' for i in range(8)]
+
+
+def _Sequential(seed=0):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([
+      keras.Input((6,)),
+      keras.layers.Dense(16, activation='relu', name='s1'),
+      keras.layers.Dense(16, activation='tanh', name='s2'),
+      keras.layers.Dense(8, activation='relu', name='s3'),
+      keras.layers.Dense(3, name='s4'),
+  ], name='seq')
+
+
+def _Functional(seed=0):
+  """Two inputs, two outputs, a residual Add, a Concatenate and a long skip."""
+  keras.utils.set_random_seed(seed)
+  a = keras.Input((6,), name='a')
+  b = keras.Input((4,), name='b')
+  h = keras.layers.Dense(8, activation='relu', name='d1')(a)
+  h2 = keras.layers.Dense(8, activation='tanh', name='d2')(h)
+  h3 = keras.layers.Add(name='add')([h, h2])
+  c = keras.layers.Concatenate(name='cat')([h3, b])
+  d = keras.layers.Dense(8, activation='relu', name='d3')(c)
+  e = keras.layers.Dense(8, activation='tanh', name='d4')(d)
+  o1 = keras.layers.Dense(3, name='o1')(keras.layers.Add(name='add2')([e, h]))
+  o2 = keras.layers.Dense(1, name='o2')(h2)
+  return keras.Model([a, b], [o1, o2], name='func')
+
+
+def _Data(model, n=10, seed=0):
+  rng = np.random.RandomState(seed)
+  xs = [rng.randn(n, *t.shape[1:]).astype(np.float32) for t in model.inputs]
+  ys = [rng.randn(n, *t.shape[1:]).astype(np.float32) for t in model.outputs]
+  unwrap = lambda v: v[0] if len(v) == 1 else v
+  return unwrap(xs), unwrap(ys)
+
+
+def _Mse(y, y_pred):
+  ys, ps = keras.tree.flatten(y), keras.tree.flatten(y_pred)
+  return tf.add_n([tf.reduce_mean(tf.square(p - t)) for t, p in zip(ys, ps)])
+
+
+def _Slice(structure, start, end):
+  return keras.tree.map_structure(lambda t: t[start:end], structure)
+
+
+def PlainGradients(model, x, y, loss_fn, num_micro_batches=1):
+  """Gradients of the plain model, per micro-batch, weighted n_m / N."""
+  n = keras.tree.flatten(x)[0].shape[0]
+  base, extra = divmod(n, num_micro_batches)
+  sizes = [base + 1] * extra + [base] * (num_micro_batches - extra)
+  total, start = None, 0
+  for size in sizes:
+    xm, ym = _Slice(x, start, start + size), _Slice(y, start, start + size)
+    with tf.GradientTape() as tape:
+      loss = loss_fn(ym, model(xm, training=True)) * size / n
+    grads = tape.gradient(loss, model.trainable_variables)
+    total = grads if total is None else [a + g for a, g in zip(total, grads)]
+    start += size
+  return total
+
+
+def _AssertGradientsEqual(pm, model, x, y, loss_fn, micro, rtol=1e-5):
+  """Gradients agree to rtol, relative to the largest gradient of the model.
+
+  (Biases before a batch norm have zero gradient up to rounding noise, so a
+  per-variable relative tolerance would compare noise with noise.)
+  """
+  _, got = pm.ComputeLossAndGradients(x, y)
+  want = [np.asarray(w) for w in PlainGradients(model, x, y, loss_fn, micro)]
+  assert len(got) == len(want)
+  scale = max(np.abs(w).max() for w in want)
+  for v, g, w in zip(model.trainable_variables, got, want):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=rtol * scale,
+                               err_msg=v.path)
+
+
+@pytest.mark.parametrize('k,m,eager', [(2, 1, True), (4, 4, True),
+                                     (2, 4, False), (4, 1, True)])
+def testSequentialGradients(k, m, eager):
+  model = _Sequential()
+  pm = tfpipe.keras.pipeline(model, num_partitions=k, num_micro_batches=m,
+                             devices=DEVICES[:k], balance='params')
+  pm.compile(loss='mse', run_eagerly=eager)
+  x, y = _Data(model)
+  _AssertGradientsEqual(pm, model, x, y, _Mse, 1)
+
+
+@pytest.mark.parametrize('k,m,schedule,eager', [
+    (2, 4, 'gpipe', True), (4, 1, 'gpipe', True), (4, 4, '1f1b', True)])
+def testFunctionalGradientsWithSkipsAndSeveralInputsAndOutputs(
+    k, m, schedule, eager):
+  model = _Functional()
+  pm = tfpipe.keras.pipeline(model, num_partitions=k, num_micro_batches=m,
+                             devices=DEVICES[:k], balance='flops',
+                             schedule=schedule)
+  pm.compile(loss=['mse', 'mse'], run_eagerly=eager)
+  x, y = _Data(model)
+  _AssertGradientsEqual(pm, model, x, y, _Mse, 1)
+
+
+def testVariablesAreTheModelsOwn():
+  model = _Functional()
+  pm = tfpipe.keras.pipeline(model, num_partitions=4, devices=DEVICES[:4],
+                             balance='params')
+  assert [id(v) for v in pm.trainable_variables] == [
+      id(v) for v in model.trainable_variables]
+
+
+def _Logits(y, y_pred):
+  return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+      y, y_pred, from_logits=True))
+
+
+@pytest.mark.parametrize('name,k,m,n,kwargs', [
+    ('MobileNetV2', 4, 2, 8, {'alpha': 0.35}),
+    ('MobileNet', 2, 1, 4, {'alpha': 0.25, 'dropout': 0.0})])
+def testApplicationGradients(name, k, m, n, kwargs):
+  """keras.applications models, batch norm included, per micro-batch.
+
+  Run eagerly: tracing a 150-layer model per micro-batch costs far more than
+  running it at these sizes, and fit's traced path is covered above.
+  """
+  keras.utils.set_random_seed(0)
+  model = getattr(keras.applications, name)(
+      input_shape=(32, 32, 3), weights=None, classes=5,
+      classifier_activation=None, **kwargs)
+  pm = tfpipe.keras.pipeline(model, num_partitions=k, num_micro_batches=m,
+                             devices=DEVICES[:k], balance='flops')
+  pm.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+             run_eagerly=True)
+  rng = np.random.RandomState(0)
+  x = rng.rand(n, 32, 32, 3).astype(np.float32)
+  y = rng.randint(0, 5, size=(n,))
+  _AssertGradientsEqual(pm, model, x, y, _Logits, m)
+
+
+@pytest.mark.parametrize('make,eager', [(_Sequential, False),
+                                        (_Functional, True)])
+def testFitReachesThePlainModelsWeights(make, eager):
+  plain, piped = make(seed=1), make(seed=1)
+  x, y = _Data(plain, n=20, seed=2)
+  losses = 'mse' if make is _Sequential else ['mse', 'mse']
+  plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=losses,
+                run_eagerly=eager)
+  history_plain = plain.fit(x, y, batch_size=10, epochs=3, shuffle=False,
+                            verbose=0)
+  pm = tfpipe.keras.pipeline(piped, num_partitions=4, num_micro_batches=4,
+                             devices=DEVICES[:4], balance='params')
+  pm.compile(optimizer=keras.optimizers.Adam(0.01), loss=losses,
+             run_eagerly=eager)
+  history_piped = pm.fit(x, y, batch_size=10, epochs=3, shuffle=False,
+                         verbose=0)
+  for a, b in zip(plain.weights, piped.weights):
+    np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-6,
+                               err_msg=a.path)
+  np.testing.assert_allclose(history_piped.history['loss'],
+                             history_plain.history['loss'], rtol=1e-4)
+
+
+def testMetricsEvaluatePredictAndSumReductionMatchPlain():
+  plain, piped = _Sequential(seed=3), _Sequential(seed=3)
+  x, y = _Data(plain, n=10, seed=4)
+  loss = keras.losses.MeanSquaredError(reduction='sum')
+  plain.compile(optimizer='sgd', loss=loss, metrics=['mae'], run_eagerly=True)
+  pm = tfpipe.keras.pipeline(piped, num_partitions=2, num_micro_batches=4,
+                             devices=DEVICES[:2], balance='params')
+  pm.compile(optimizer='sgd', loss=keras.losses.MeanSquaredError(
+      reduction='sum'), metrics=['mae'], run_eagerly=True)
+  want = plain.fit(x, y, batch_size=10, epochs=1, verbose=0).history
+  got = pm.fit(x, y, batch_size=10, epochs=1, verbose=0).history
+  for name in ('loss', 'mae'):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5)
+  np.testing.assert_allclose(
+      pm.evaluate(x, y, batch_size=10, verbose=0),
+      plain.evaluate(x, y, batch_size=10, verbose=0), rtol=1e-5)
+  np.testing.assert_allclose(pm.predict(x, batch_size=5, verbose=0),
+                             plain.predict(x, batch_size=5, verbose=0),
+                             rtol=1e-5, atol=1e-6)
+
+
+def testSavedWeightsLoadIntoThePlainModel(tmp_path):
+  model = _Functional(seed=5)
+  x, y = _Data(model, n=8)
+  pm = tfpipe.keras.pipeline(model, num_partitions=2, num_micro_batches=2,
+                             devices=DEVICES[:2], balance='params')
+  pm.compile(optimizer='adam', loss=['mse', 'mse'], run_eagerly=True)
+  checkpoint = keras.callbacks.ModelCheckpoint(
+      str(tmp_path / 'ckpt.weights.h5'), save_weights_only=True)
+  log = keras.callbacks.CSVLogger(str(tmp_path / 'log.csv'))
+  pm.fit(x, y, batch_size=4, epochs=2, verbose=0,
+         callbacks=[checkpoint, log])
+  pm.save_weights(str(tmp_path / 'final.weights.h5'))
+  for path in ('final.weights.h5', 'ckpt.weights.h5'):
+    fresh = _Functional(seed=6)
+    fresh.load_weights(str(tmp_path / path))
+    for a, b in zip(model.weights, fresh.weights):
+      np.testing.assert_array_equal(b.numpy(), a.numpy())
+  assert (tmp_path / 'log.csv').read_text().count('\n') == 3
+
+
+def testSummaryAndDescribeShowStages():
+  model = _Functional()
+  pm = tfpipe.keras.pipeline(model, num_partitions=3, devices=DEVICES[:3],
+                             balance=[3, 3, 3])
+  text = tfpipe.keras.describe(pm)
+  assert 'stage 2 on /CPU:2' in text and 'params' in text
+  assert 'cost' in text
+  lines = []
+  pm.summary(print_fn=lines.append)
+  assert lines == [text]
+
+
+def testPlaceVariablesMovesThemToTheStageDevices():
+  model = _Sequential()
+  x, y = _Data(model)
+  want = model(x)
+  pm = tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[2:4],
+                             balance='params', place_variables=True)
+  for cell, device in zip(pm.pipe.cells, ['CPU:2', 'CPU:3']):
+    for v in cell.weights:
+      assert v.value.device.endswith(device), (v.path, v.value.device)
+  np.testing.assert_allclose(pm(x), want, rtol=1e-5, atol=1e-6)
+  pm.compile(optimizer='sgd', loss='mse', run_eagerly=True)
+  pm.fit(x, y, batch_size=10, verbose=0)
+  assert not np.allclose(model(x), want)
+
+
+def testErrors():
+  model = _Sequential()
+  with pytest.raises(ValueError, match='num_partitions=9'):
+    tfpipe.keras.pipeline(model, num_partitions=9, balance='params')
+  with pytest.raises(ValueError, match='explicit balance'):
+    tfpipe.keras.pipeline(model, num_partitions=2, balance=[1, 1])
+  with pytest.raises(ValueError, match='unknown balance'):
+    tfpipe.keras.pipeline(model, num_partitions=2, balance='speed')
+  with pytest.raises(ValueError, match='num_partitions must be'):
+    tfpipe.keras.pipeline(model, num_partitions=0)
+  pm = tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
+                             balance='params')
+  x, y = _Data(model)
+  with pytest.raises(ValueError, match='compile the pipelined model'):
+    pm.ComputeLossAndGradients(x, y)
+  with pytest.raises(ValueError, match='describe expects'):
+    tfpipe.keras.describe(model)
