@@ -1,0 +1,198 @@
+"""Multi-process tests: the launcher, workers on loopback, failure and resume.
+
+Each launch starts real TensorFlow processes (~10 s each on 2 cores), so the
+tests are few and each checks several things: the losses of cells on
+different workers equal the single-process run; a worker killed mid-training
+stops the controller within the watchdog's bound with an error naming the
+task and its address; a restart resumes from the checkpoint with the losses
+of an uninterrupted run; R=2 replicas x K=2 stages on 4 workers train like
+one pipeline; no process outlives its launcher. The launcher keeps every
+server in a loopback-only network namespace.
+"""
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests import cluster_test
+from tfpipe import cluster
+from tfpipe.trainer import train_loop
+
+_STEP_RE = re.compile(r'^step (\d+)/\d+ loss=(\S+)')
+_STARTED_RE = re.compile(r'^launcher: (?:started (.*) )?pid=(\d+)')
+_LAUNCH_TIMEOUT_S = 240
+_DETECTION_BOUND_S = 30
+
+
+def _Losses(lines):
+  losses = {}
+  for line in lines:
+    m = _STEP_RE.match(line)
+    if m:
+      losses[int(m.group(1))] = float(m.group(2))
+  return losses
+
+
+@pytest.fixture(scope='module')
+def baseline(tmp_path_factory):
+  """{step: loss} of 60 steps of the tiny LM in this process (K=2, R=1)."""
+  p = cluster_test._TinyTaskParams(1, ['/CPU:0', '/CPU:1'])  # pylint: disable=protected-access
+  p.task.train.Set(max_steps=60, log_interval_steps=1, save_interval_steps=100)
+  lines = []
+  train_loop.Trainer(p, str(tmp_path_factory.mktemp('baseline')),
+                     log=lines.append).Train()
+  return _Losses(lines)
+
+
+class _Launch:
+  """A launcher subprocess whose output lines are read on a thread."""
+
+  def __init__(self, logdir, num_workers, max_steps, extra=()):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+    env.pop('TF_CONFIG', None)
+    self.proc = subprocess.Popen(
+        [sys.executable, '-m', 'tfpipe.launcher',
+         f'--num_workers={num_workers}', f'--timeout_s={_LAUNCH_TIMEOUT_S}',
+         '--', f'--logdir={logdir}', '--model=lm.TinyTransformerLm',
+         f'--model_params_override={cluster_test.TINY_LM}',
+         f'--max_steps={max_steps}', '--log_interval_steps=1',
+         '--save_interval_steps=5', '--run_locally=cpu', *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    self.lines = []
+    self.pids = {}
+    self._queue = queue.Queue()
+    threading.Thread(target=self._Read, daemon=True).start()
+
+  def _Read(self):
+    for line in self.proc.stdout:
+      line = line.rstrip('\n')
+      m = _STARTED_RE.match(line)
+      if m:
+        self.pids[m.group(1) or 'launcher'] = int(m.group(2))
+      self.lines.append(line)
+      self._queue.put(line)
+    self._queue.put(None)
+
+  def WaitForLine(self, pattern, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      try:
+        line = self._queue.get(timeout=1)
+      except queue.Empty:
+        continue
+      if line is None:
+        break
+      if re.search(pattern, line):
+        return line
+    self.Kill()
+    pytest.fail(f'no line matching {pattern!r}; output:\n' +
+                '\n'.join(self.lines[-40:]))
+
+  def Wait(self, timeout_s=_LAUNCH_TIMEOUT_S):
+    try:
+      return self.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      self.Kill()
+      pytest.fail('launcher did not exit; output:\n' +
+                  '\n'.join(self.lines[-40:]))
+
+  def Kill(self):
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      try:
+        self.proc.wait(timeout=15)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait(timeout=15)
+
+  def AssertNoProcessLeft(self):
+    deadline = time.monotonic() + 10
+    alive = list(self.pids.values())
+    while alive and time.monotonic() < deadline:
+      alive = [pid for pid in alive if _Alive(pid)]
+      time.sleep(0.2)
+    assert not alive, f'processes left behind: {alive} of {self.pids}'
+
+  def Text(self):
+    return '\n'.join(self.lines)
+
+
+def _Alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def _AssertMatches(losses, baseline):
+  assert losses, 'no step losses were printed'
+  for step, loss in losses.items():
+    np.testing.assert_allclose(loss, baseline[step], rtol=1e-5,
+                               err_msg=f'step {step}')
+
+
+def testKilledWorkerStopsTheControllerAndARestartResumes(tmp_path, baseline):
+  logdir = tmp_path / 'lm'
+  first = _Launch(logdir, num_workers=2, max_steps=100000)
+  try:
+    first.WaitForLine(r'^step 7/', _LAUNCH_TIMEOUT_S)
+    victim = next(name for name in first.pids if 'task:1 at' in name)
+    address = victim.rsplit(' at ', 1)[1]
+    os.kill(first.pids[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = first.Wait(_DETECTION_BOUND_S + 15)
+    detection_s = time.monotonic() - killed_at
+  finally:
+    first.Kill()
+  first.AssertNoProcessLeft()
+  assert code == cluster.EXIT_WORKER_LOST, first.Text()
+  assert detection_s <= _DETECTION_BOUND_S, detection_s
+  assert (f'Worker /job:worker/task:1 at {address} is unreachable'
+          in first.Text()), first.Text()
+  assert 'device mesh: 1 replica(s) x 2 stage(s)' in first.Text()
+  assert '/job:worker/replica:0/task:1/device:CPU:0' in first.Text()
+  losses = _Losses(first.lines)
+  assert max(losses) < 55, 'the first run went too far to test a resume'
+  _AssertMatches(losses, baseline)
+
+  second = _Launch(logdir, num_workers=2, max_steps=60)
+  try:
+    assert second.Wait() == 0, second.Text()
+  finally:
+    second.Kill()
+  second.AssertNoProcessLeft()
+  restored = re.search(r'Restored \S+ at step (\d+)', second.Text())
+  assert restored, second.Text()
+  resumed = _Losses(second.lines)
+  assert min(resumed) == int(restored.group(1)) + 1
+  assert max(resumed) == 60
+  _AssertMatches(resumed, baseline)
+
+
+def testReplicasTimesStagesOnFourWorkers(tmp_path, baseline):
+  launch = _Launch(tmp_path / 'lm', num_workers=4, max_steps=6,
+                   extra=['--num_replicas=2'])
+  try:
+    assert launch.Wait() == 0, launch.Text()
+  finally:
+    launch.Kill()
+  launch.AssertNoProcessLeft()
+  text = launch.Text()
+  assert 'device mesh: 2 replica(s) x 2 stage(s)' in text
+  assert '[1] /job:worker/replica:0/task:3/device:CPU:0' in text
+  losses = _Losses(launch.lines)
+  assert sorted(losses) == list(range(1, 7))
+  _AssertMatches(losses, baseline)
+  checkpoints = os.listdir(tmp_path / 'lm' / train_loop.CHECKPOINT_DIR)
+  assert 'ckpt-6.index' in checkpoints
+
