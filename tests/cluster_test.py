@@ -86,7 +86,7 @@ def testLoopbackBindIsRefusedWhereTensorFlowWouldListenOnTheNetwork():
 
 
 class _SilentServer:
-  """Accepts TCP connections on 127.0.0.1 and never answers (a stopped worker)."""
+  """Accepts connections on 127.0.0.1, never answers: a stopped worker."""
 
   def __init__(self):
     self.sock = socket.socket()

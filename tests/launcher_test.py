@@ -44,7 +44,8 @@ def _Losses(lines):
 @pytest.fixture(scope='module')
 def baseline(tmp_path_factory):
   """{step: loss} of 60 steps of the tiny LM in this process (K=2, R=1)."""
-  p = cluster_test._TinyTaskParams(1, ['/CPU:0', '/CPU:1'])  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  p = cluster_test._TinyTaskParams(1, ['/CPU:0', '/CPU:1'])
   p.task.train.Set(max_steps=60, log_interval_steps=1, save_interval_steps=100)
   lines = []
   train_loop.Trainer(p, str(tmp_path_factory.mktemp('baseline')),

@@ -364,7 +364,7 @@ class Watchdog:
     return self.max_failures * (self.interval_s + self.timeout_s)
 
   def CheckOnce(self, failures):
-    """Probes all tasks, updating `failures`; returns a message if one is lost."""
+    """Probes all tasks, counting `failures`; a message if one is lost."""
     for name, address in self.tasks:
       reason = ProbeGrpc(address, self.timeout_s)
       failures[name] = 0 if reason is None else failures.get(name, 0) + 1

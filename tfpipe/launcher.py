@@ -86,7 +86,8 @@ class Job:
     self.children = []  # (name, Popen)
 
   def Start(self, name, argv):
-    proc = subprocess.Popen(argv, preexec_fn=_ChildSetup)  # pylint: disable=subprocess-popen-preexec-fn
+    # pylint: disable-next=subprocess-popen-preexec-fn
+    proc = subprocess.Popen(argv, preexec_fn=_ChildSetup)
     self.children.append((name, proc))
     print(f'launcher: started {name} pid={proc.pid}', flush=True)
     return proc

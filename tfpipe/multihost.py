@@ -1,4 +1,4 @@
-"""The trainer's multi-process roles: --job=worker serves, --job=controller trains.
+"""Multi-process roles of the trainer: workers serve, the controller trains.
 
 This is the glue between absl flags (or TF_CONFIG) and `tfpipe.cluster`, kept
 out of the trainer so that the trainer needs two calls to run anywhere:
