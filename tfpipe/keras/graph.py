@@ -161,7 +161,8 @@ def _ExpandableModel(op, node):
     inner = FunctionalOf(op)
   except ValueError:
     return None
-  if node.arguments.kwargs and set(node.arguments.kwargs) - {'training'}:
+  if any(k != 'training' and v is not None
+         for k, v in node.arguments.kwargs.items()):
     return None
   if len(node.arguments.args) != 1:
     return None

@@ -1,0 +1,126 @@
+"""Ordering a Keras graph, carrying skips between stages, and refusing what
+the pipeline cannot run exactly."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from tfpipe.keras import graph as graph_lib
+from tests.keras import model_test
+
+DEVICES = model_test.DEVICES
+
+
+def testStepsAreTopologicallyOrdered():
+  graph = graph_lib.ModelGraph(model_test._Functional())
+  produced = set(graph.input_keys)
+  for step in graph.steps:
+    assert set(step.input_keys.values()) <= produced, step
+    produced.update(step.output_keys)
+  assert set(graph.output_keys) <= produced
+
+
+def testSkipIsCarriedToItsConsumerAndNoFurther():
+  keras.utils.set_random_seed(0)
+  i = keras.Input((4,), name='x')
+  h = [keras.layers.Dense(4, name='d0')(i)]
+  for n in range(1, 5):
+    h.append(keras.layers.Dense(4, name=f'd{n}')(h[-1]))
+  skip = keras.layers.Add(name='skip')([h[0], h[-1]])
+  out = keras.layers.Dense(2, name='out')(keras.layers.Dense(
+      4, name='after')(skip))
+  graph = graph_lib.ModelGraph(keras.Model(i, out))
+  plans = graph_lib.PlanStages(graph, [1, 2, 2, 3])
+  assert [p.input_keys for p in plans] == [
+      ['input:x:0'], ['d0'], ['d0', 'd2'], ['d0', 'd4']]
+  assert [p.output_keys for p in plans] == [
+      ['d0'], ['d0', 'd2'], ['d0', 'd4'], ['out']]
+  assert [s.name for s in plans[3].steps] == ['skip', 'after', 'out']
+
+
+def testNestedModelsAreExpanded():
+  keras.utils.set_random_seed(0)
+  inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name='a'),
+                            keras.layers.Dense(4, name='b')], name='inner')
+  i = keras.Input((4,))
+  model = keras.Model(i, keras.layers.Dense(2, name='c')(inner(i)))
+  graph = graph_lib.ModelGraph(model)
+  assert [s.name for s in graph.steps] == ['a', 'b', 'c']
+  pm = tfpipe.keras.pipeline(model, num_partitions=3, devices=DEVICES[:3],
+                             num_micro_batches=2, balance='params')
+  x = np.random.RandomState(0).randn(4, 4).astype(np.float32)
+  np.testing.assert_allclose(pm(x), model(x), rtol=1e-6)
+
+
+def _Build(*layers, shape=(4,), **input_kwargs):
+  i = keras.Input(shape, **input_kwargs)
+  h = i
+  for layer in layers:
+    h = layer(h)
+  return keras.Model(i, keras.layers.Dense(2)(h))
+
+
+class _Subclassed(keras.Model):
+
+  def __init__(self):
+    super().__init__()
+    self.dense = keras.layers.Dense(2)
+
+  def call(self, x):
+    return self.dense(x)
+
+
+class _AddsLoss(keras.layers.Layer):
+
+  def call(self, x):
+    self.add_loss(keras.ops.sum(x))
+    return x
+
+
+@pytest.mark.parametrize('make,match', [
+    (lambda: keras.Sequential([keras.layers.Dense(2)]), 'no known input'),
+    (_Subclassed, 'subclassed model'),
+    (lambda: _Build(keras.layers.LSTM(3, stateful=True), shape=(5, 4),
+                    batch_size=2), "'lstm.*stateful"),
+    (lambda: _Build(keras.layers.Dense(3, activity_regularizer='l2',
+                                       name='reg')), "'reg'.*activity"),
+    (lambda: _Build(keras.layers.Embedding(10, 3, mask_zero=True, name='emb'),
+                    shape=(5,)), "'emb'.*mask"),
+    (lambda: _Build(keras.layers.GaussianNoise(0.1, name='noise')),
+     "'noise'.*remat_policy"),
+    (lambda: _Build(keras.layers.BatchNormalization(renorm=True, name='bn')),
+     "'bn'.*renorm"),
+])
+def testUnsupportedModelsAreRefusedByName(make, match):
+  with pytest.raises(ValueError, match=match):
+    tfpipe.keras.pipeline(make(), num_partitions=2, devices=DEVICES[:2],
+                          balance='params')
+
+
+def testRandomLayersAreFineWithoutRemat():
+  model = _Build(keras.layers.Dense(3), keras.layers.GaussianNoise(0.1))
+  tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
+                        balance='params', remat_policy='never')
+
+
+def testSharedLayerAcrossStagesIsRefused():
+  shared = keras.layers.Dense(4, name='shared')
+  i = keras.Input((4,))
+  h = shared(i)
+  h = keras.layers.Dense(4, name='mid')(h)
+  model = keras.Model(i, keras.layers.Dense(2)(shared(h)))
+  with pytest.raises(ValueError, match="'shared' is shared.*stage 0.*stage 1"):
+    tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
+                          balance=[2, 2])
+  # All calls in one stage is fine.
+  tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
+                        balance=[3, 1])
+
+
+def testAddLossAtRunTimeIsRefused():
+  model = _Build(keras.layers.Dense(3), _AddsLoss(name='adds'))
+  pm = tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
+                             num_micro_batches=2, balance='params')
+  with pytest.raises(ValueError, match="'adds'.*add_loss"):
+    pm(np.ones((2, 4), np.float32))
