@@ -24,8 +24,8 @@ from tfpipe.trainer import train_loop
 from tfpipe.trainer import trainer
 
 _STEP_RE = re.compile(r'^step (\d+)/\d+ loss=(\S+)')
-_FAST_FLAGS = ['--model=mlp.TinyMlp', '--max_steps=24',
-               '--save_interval_steps=4', '--log_interval_steps=1',
+_FAST_FLAGS = ['--model=mlp.TinyMlp', '--max_steps=20',
+               '--save_interval_steps=3', '--log_interval_steps=1',
                '--num_partitions=2', '--num_micro_batches=2', '--seed=5',
                '--run_locally=cpu']
 
@@ -62,14 +62,14 @@ def _EventLosses(logdir):
   return result
 
 
-def _RunToCompletion(logdir, timeout=180):
+def _RunToCompletion(logdir, timeout=300):
   out = subprocess.run(_Command(logdir), capture_output=True, text=True,
                        timeout=timeout, env=_Env(), check=False)
   assert out.returncode == 0, out.stdout + out.stderr
   return out.stdout
 
 
-def _RunAndKill(logdir, kill_after_step, timeout=120):
+def _RunAndKill(logdir, kill_after_step, timeout=300):
   """Starts training and SIGKILLs it once `kill_after_step` is printed."""
   proc = subprocess.Popen(_Command(logdir), stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True, env=_Env())
@@ -107,18 +107,18 @@ def _RunAndKill(logdir, kill_after_step, timeout=120):
 def testKilledRunResumesWithExactlyTheSameLosses(tmp_path):
   reference = _RunToCompletion(tmp_path / 'reference')
   want = _StepLosses(reference)
-  assert sorted(want) == list(range(1, 25))
-  assert 'Final: step=24' in reference
+  assert sorted(want) == list(range(1, 21))
+  assert 'Final: step=20' in reference
   params_txt = (tmp_path / 'reference' / 'params.txt').read_text()
   assert 'task.random_seed : 5' in params_txt
 
   logdir = tmp_path / 'resumed'
-  first = _RunAndKill(logdir, kill_after_step=10)
+  first = _RunAndKill(logdir, kill_after_step=6)
   assert os.path.exists(logdir / train_loop.CHECKPOINT_DIR / 'checkpoint')
   second = _RunToCompletion(logdir)
   restored = re.search(r'Restored \S+ at step (\d+)', second)
   assert restored, second
-  assert 4 <= int(restored.group(1)) <= 12
+  assert 3 <= int(restored.group(1)) < 20
   got = {**_StepLosses(first), **_StepLosses(second)}
   assert got == want
   assert min(_StepLosses(second)) == int(restored.group(1)) + 1
