@@ -115,7 +115,7 @@ class ModelGraph:
                                output_keys, first_use))
 
   def Liveness(self):
-    """{key: (producer step or -1, last consumer step)}; outputs live to the end."""
+    """{key: (producer step or -1, last consumer step)}; outputs live on."""
     produced = {k: -1 for k in self.input_keys}
     last_use = {}
     for step in self.steps:
@@ -140,7 +140,8 @@ def FunctionalOf(model):
     if function is None:
       raise ValueError(
           f'Sequential model {model.name!r} has no known input shape, so its '
-          'layer graph does not exist yet. Start it with keras.Input(shape=...) '
+          'layer graph does not exist yet. Start it with '
+          'keras.Input(shape=...) '
           'or call model.build(input_shape) before pipelining it.')
     return function
   if not hasattr(model, '_nodes_by_depth') or not getattr(
@@ -172,7 +173,7 @@ def _ExpandableModel(op, node):
 
 
 def CheckSupported(graph, remat_policy):
-  """Raises ValueError naming the first layer the pipeline cannot run exactly."""
+  """Raises ValueError naming the first layer the pipeline cannot run."""
   for step in graph.steps:
     op = step.operation
     for layer in _SelfAndSublayers(op):

@@ -136,7 +136,7 @@ class PipelinedModel(keras.Model):
     return self.pipe(self._Feed(inputs), training=training)
 
   def _LossFn(self, batch_size):
-    """loss_fn for ComputeLossAndGradients: compiled loss and metrics per micro-batch."""
+    """The engine's loss_fn: compiled loss and metrics per micro-batch."""
     scale_sum = _UsesSumReduction(self.loss)
 
     def LossFn(y_pred, targets):
