@@ -129,6 +129,7 @@ class PipelinedModel(keras.Model):
     return list(self._stage_costs)
 
   def _Feed(self, inputs):
+    inputs = keras.tree.map_structure(tf.convert_to_tensor, inputs)
     flat = self._graph.function._standardize_inputs(inputs)  # pylint: disable=protected-access
     return dict(zip(self._graph.input_keys, flat))
 
