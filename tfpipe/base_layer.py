@@ -299,7 +299,8 @@ class BaseLayer(keras.layers.Layer):
     if step_seed is None:
       return None
     offset = tf.constant(
-        [_StableHash(self.path + salt), 0], dtype=step_seed.dtype)
+        [_StableHash((self.path or self.name) + salt), 0],
+        dtype=step_seed.dtype)
     return step_seed + offset
 
   # ---- cost model ---------------------------------------------------------

@@ -74,7 +74,7 @@ def _OrderAfter(previous):
     return contextlib.nullcontext()
   return tf.control_dependencies([
       t.values if isinstance(t, tf.IndexedSlices) else t
-      for t in previous if t is not None])
+      for t in previous if t is not None and not isinstance(t, tf.Variable)])
 
 
 def _Timestamp(after, device):
@@ -103,6 +103,35 @@ def _AsDense(g):
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
+class _GradientAccumulators:
+  """One buffer per trainable variable, on its device, summed with assign_add.
+
+  Why buffers and not `acc = acc + g`: Grappler's arithmetic optimizer turns a
+  chain of adds into one AddN, which waits for, and so keeps alive, every
+  micro-batch's gradient at once: M copies of the parameters, which erased
+  1F1B's memory advantage. Stateful assign_adds run as each gradient arrives
+  and free it. The buffers are the executor's, never checkpointed.
+  """
+
+  def __init__(self, variables):
+    self._buffers = []
+    with tf.init_scope():
+      for v in variables:
+        with tf.device(v.value.device):
+          self._buffers.append(tf.Variable(
+              tf.zeros(v.shape, v.dtype), trainable=False,
+              name='grad_accumulator'))
+
+  def Add(self, index, gradient, first):
+    buffer = self._buffers[index]
+    if first:
+      return buffer.assign(gradient, read_value=False)
+    return buffer.assign_add(gradient, read_value=False)
+
+  def Read(self):
+    return [b.read_value() for b in self._buffers]
+
+
 class PipelineExecutor:
   """Executes forward and forward+backward passes of cells along a schedule."""
 
@@ -117,6 +146,7 @@ class PipelineExecutor:
     self._remat_policy = remat_policy
     self._name = name
     self._order = schedule_lib.Validate(schedule)
+    self._accumulators = None
     self._forward_order = schedule_lib.Validate(schedule.ForwardOnly(),
                                                 forward_only=True)
 
@@ -159,10 +189,12 @@ class PipelineExecutor:
                 if k else 'the pipeline input')
       shapes = tf.nest.map_structure(
           lambda t: None if t is None else tuple(t.shape), x)
+      hint = (' Check that the cells\' layers fit each other (e.g. '
+              'input_dims).' if 'shape' in str(e).lower() or 'dimension' in
+              str(e).lower() else '')
       raise ValueError(
           f'{self._name}: cell {k} ({cell.name}) failed on {source} with '
-          f'shapes {shapes}. Check that the cells\' layers fit each other '
-          f'(e.g. input_dims). Cause: {type(e).__name__}: {e}') from e
+          f'shapes {shapes}.{hint} Cause: {type(e).__name__}: {e}') from e
     return state['rebuild'](list(float_out))
 
   # The executor's loops are static Python over the schedule: AutoGraph must
@@ -206,7 +238,11 @@ class PipelineExecutor:
     num_cells = self._schedule.num_cells
     last_cell = num_cells - 1
     var_lists = [list(cell.trainable_variables) for cell in self._cells]
-    accumulated = [[None] * len(v) for v in var_lists]
+    offsets = [sum(len(v) for v in var_lists[:k]) for k in range(num_cells)]
+    if self._accumulators is None:
+      self._accumulators = _GradientAccumulators(
+          [v for vs in var_lists for v in vs])
+    accumulated_cells = set()
     outputs, tapes, input_grads = {}, {}, {}
     last_on_device = {}
     loss_total = None
@@ -263,14 +299,16 @@ class PipelineExecutor:
               unconnected_gradients=tf.UnconnectedGradients.ZERO)
           if k > 0:
             input_grads[(m, k)] = grads[:len(x_float)]
-          for i, g in enumerate(grads[len(x_float):]):
-            g = _AsDense(g)
-            accumulated[k][i] = g if accumulated[k][i] is None else (
-                accumulated[k][i] + g)
-          last_on_device[d] = [g for g in grads if g is not None]
+          updates = [
+              self._accumulators.Add(offsets[k] + i, _AsDense(g),
+                                     first=k not in accumulated_cells)
+              for i, g in enumerate(grads[len(x_float):])]
+          accumulated_cells.add(k)
+          last_on_device[d] = [g for g in grads[:len(x_float)]
+                               if g is not None] + updates
       if record_times:
         end = _Timestamp(last_on_device[d], self._cell_devices[k])
         action_times[action] = (start, end)
         last_on_device[d] = [end]
-    gradients = [g for per_cell in accumulated for g in per_cell]
+    gradients = self._accumulators.Read()
     return LossAndGradients(loss_total, gradients, metric_totals, action_times)

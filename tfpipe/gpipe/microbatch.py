@@ -17,6 +17,7 @@ exactly, and so is its gradient, whatever M is.
 
 import math
 
+import keras
 import tensorflow as tf
 
 
@@ -25,8 +26,9 @@ def _Leaves(structure):
 
 
 def _DescribePath(structure, index):
-  paths = [p for p, t in tf.nest.flatten_with_joined_string_paths(structure)
-           if t is not None]
+  """A readable path ('a/0') of the index-th non-None leaf."""
+  paths = ['/'.join(str(k) for k in path) for path, leaf in
+           keras.tree.flatten_with_path(structure) if leaf is not None]
   return paths[index] if index < len(paths) and paths[index] else 'inputs'
 
 
@@ -54,8 +56,6 @@ def StaticBatchSize(structure, batch_dim=0):
                        for i, s in enumerate(sizes))
     raise ValueError('All inputs must share the batch dimension to be split '
                      f'into micro-batches; found sizes {detail}.')
-  if known and len(known) == 1 and None not in sizes:
-    return known.pop()
   return known.pop() if known else None
 
 

@@ -226,8 +226,9 @@ class PipeliningLayer(base_layer.BaseLayer):
           shard_inputs, p.num_micro_batches, p.batch_dim, p.micro_batch_size)
       micro_targets = None
       if shard_targets is not None:
-        micro_targets, _, _ = microbatch.Split(shard_targets, len(micro),
-                                               p.batch_dim)
+        micro_targets, _, _ = microbatch.Split(
+            shard_targets, p.num_micro_batches, p.batch_dim,
+            p.micro_batch_size)
       if batch_size is None:
         batch_size = shard_size
       result.append((micro, micro_targets, microbatch.Weights(sizes,

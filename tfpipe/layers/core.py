@@ -82,7 +82,14 @@ class FCLayer(base_layer.BaseLayer):
               if p.has_bias else None)
 
   def FProp(self, inputs):
-    out = tf.einsum('...i,io->...o', inputs, self.w)
+    # A 2-D matmul, not einsum('...i,io->...o'): that einsum's weight gradient
+    # materialises a [batch, in, out] tensor (1000x the activations' memory).
+    if inputs.shape.rank == 2:
+      out = tf.matmul(inputs, self.w)
+    else:
+      flat = tf.reshape(inputs, [-1, self.p.input_dims])
+      out = tf.reshape(tf.matmul(flat, self.w), tf.concat(
+          [tf.shape(inputs)[:-1], [self.p.output_dims]], axis=0))
     if self.b is not None:
       out += self.b
     return self._act(out)
