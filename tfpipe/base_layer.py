@@ -256,6 +256,24 @@ class BaseLayer(keras.layers.Layer):
   def children(self):
     return dict(self._children)
 
+  def _trackable_children(self, save_type='checkpoint', **kwargs):
+    """Adds trackables held in list attributes to `tf.train.Checkpoint`.
+
+    Keras 3 tracks a list of layers for its own weight lists but not as a
+    TensorFlow checkpoint dependency, so without this the children of
+    `CreateChildren` (a SequentialLayer's `sub`, a pipeline's `cells`) would
+    be missing from checkpoints of the layer. They are saved as
+    `<attr>/<index>`.
+    """
+    children = super()._trackable_children(save_type, **kwargs)
+    for attr, value in list(vars(self).items()):
+      if attr.startswith('_') or not isinstance(value, (list, tuple)):
+        continue
+      for i, item in enumerate(value):
+        if isinstance(item, tf.__internal__.tracking.Trackable):
+          children.setdefault(f'{attr}/{i}', item)
+    return children
+
   # ---- variables --------------------------------------------------------
 
   def CreateVariable(self, name, shape, initializer='glorot_uniform',

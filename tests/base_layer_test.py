@@ -1,0 +1,391 @@
+"""Tests of BaseLayer: the contract every tfpipe layer and user layer relies on.
+
+Protected properties: params extend the parent's and are validated; children
+are built from params with predictable names; variables are seeded
+deterministically and placed on the device active at instantiation; `call`
+forwards `training` only to an FProp that takes it; the default cost model
+and `compute_output_shape` agree with the real computation; the per-step
+context (seeds, deferred statistics, recomputation) is scoped and restored;
+the nested-shape helpers; and a BaseLayer is an ordinary Keras layer that
+trains with `keras.Model.fit` and round-trips through `tf.train.Checkpoint`.
+"""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpipe import base_layer
+
+
+class _Affine(base_layer.BaseLayer):
+  """x @ w + b with eager variables and no `training` argument."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('input_dims', 3, 'Input width.')
+    p.Define('output_dims', 2, 'Output width.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.p
+    self.w = self.CreateVariable('w', [p.input_dims, p.output_dims])
+    self.b = self.CreateVariable('b', [p.output_dims], initializer='zeros')
+
+  def FProp(self, inputs):
+    return tf.matmul(inputs, self.w) + self.b
+
+
+class _TrainingProbe(base_layer.BaseLayer):
+  """Records the `training` value its FProp receives."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.seen = []
+
+  def FProp(self, inputs, training=None):
+    self.seen.append(training)
+    return inputs
+
+
+class _NoFProp(base_layer.BaseLayer):
+  pass
+
+
+class _Parent(base_layer.BaseLayer):
+  """Two children from params: one single, one list."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('child', _Affine.Params(), 'A single child.')
+    p.Define('stack', [_Affine.Params().Set(input_dims=2),
+                       _Affine.Params().Set(name='named', input_dims=2)],
+             'A list of children.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChild('child', self.p.child)
+    self.CreateChildren('stack', self.p.stack)
+
+  def FProp(self, inputs):
+    out = self.child(inputs)
+    for layer in self.stack:
+      out = layer(out)
+    return out
+
+
+class _Recorder(base_layer.BaseLayer):
+  """Counts ApplyDeferredStats calls and the records each received."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.applied = []
+
+  def FProp(self, inputs):
+    return inputs
+
+  def ApplyDeferredStats(self, records):
+    self.applied.append(list(records))
+    return f'update-{self.name}'
+
+
+def _Affine2x3(name='affine', seed=None):
+  return _Affine.Params().Set(name=name, input_dims=3, output_dims=2,
+                              random_seed=seed)
+
+
+# ---- params -----------------------------------------------------------------
+
+
+def testParamsExtendTheParentsAndTargetTheClass():
+  base = base_layer.BaseLayer.Params()
+  p = _Affine.Params()
+  assert {'name', 'dtype', 'random_seed'} <= {k for k, _ in base.IterParams()}
+  for name, _ in base.IterParams():
+    assert name in p, name
+  assert 'input_dims' in p and 'input_dims' not in base
+  assert p.target_cls is _Affine
+  assert isinstance(p.Set(name='x').Instantiate(), _Affine)
+
+
+def testLayerKeepsAFrozenCopyOfItsParams():
+  p = _Affine2x3()
+  layer = p.Instantiate()
+  p.output_dims = 7
+  assert layer.p.output_dims == 2 and layer.params is layer.p
+  with pytest.raises(Exception):
+    layer.p.output_dims = 5
+  assert layer.name == 'affine'
+
+
+def testInitRejectsNonParams():
+  with pytest.raises(TypeError, match=r'_Affine is built from params.*dict'):
+    _Affine({'name': 'x'})
+
+
+def testInitRejectsMissingName():
+  with pytest.raises(ValueError, match=r'_Affine: params.name must be set'):
+    _Affine.Params().Instantiate()
+
+
+# ---- children ---------------------------------------------------------------
+
+
+def testChildrenAreNamedAfterTheirAttributeUnlessNamed():
+  parent = _Parent.Params().Set(name='parent').Instantiate()
+  assert parent.child.name == 'child'
+  assert [c.name for c in parent.stack] == ['stack_0', 'named']
+  assert set(parent.children) == {'child', 'stack'}
+  assert parent.children['stack'] == parent.stack
+  # The parent owns its children's variables (optimizers and checkpoints
+  # see them through the parent).
+  assert len(parent.trainable_variables) == 6
+  out = parent(tf.ones([4, 3]))
+  assert out.shape == (4, 2)
+
+
+def testDuplicateChildNamesAreRejected():
+  parent = _Parent.Params().Set(name='parent').Instantiate()
+  with pytest.raises(ValueError, match="parent: child 'child' already exists"):
+    parent.CreateChild('child', _Affine.Params())
+  with pytest.raises(ValueError, match="children 'stack' already exist"):
+    parent.CreateChildren('stack', [_Affine.Params()])
+
+
+# ---- variables --------------------------------------------------------------
+
+
+def testRandomSeedMakesInitializationDeterministic():
+  a = _Affine2x3('a', seed=11).Instantiate()
+  b = _Affine2x3('b', seed=11).Instantiate()
+  c = _Affine2x3('c', seed=12).Instantiate()
+  np.testing.assert_array_equal(a.w.numpy(), b.w.numpy())
+  assert not np.allclose(a.w.numpy(), c.w.numpy())
+  np.testing.assert_array_equal(a.b.numpy(), np.zeros(2))
+
+
+def testVariablesWithDifferentNamesGetDifferentInitialValues():
+
+  class TwoWeights(base_layer.BaseLayer):
+
+    def __init__(self, params):
+      super().__init__(params)
+      self.u = self.CreateVariable('u', [4, 4])
+      self.v = self.CreateVariable('v', [4, 4])
+
+    def FProp(self, inputs):
+      return inputs
+
+  layer = TwoWeights.Params().Set(name='two', random_seed=3).Instantiate()
+  assert not np.allclose(layer.u.numpy(), layer.v.numpy())
+  again = TwoWeights.Params().Set(name='two', random_seed=3).Instantiate()
+  np.testing.assert_array_equal(layer.v.numpy(), again.v.numpy())
+
+
+def testVariablesLiveOnTheDeviceActiveAtInstantiation():
+  with tf.device('/CPU:3'):
+    layer = _Affine2x3().Instantiate()
+  assert layer.weights
+  for v in layer.weights:
+    assert v.value.device.endswith('CPU:3'), (v.name, v.value.device)
+  # Calling elsewhere does not move them.
+  with tf.device('/CPU:0'):
+    layer(tf.ones([1, 3]))
+  assert layer.w.value.device.endswith('CPU:3')
+
+
+def testCreateVariableDtypeAndTrainable():
+  layer = _Affine2x3().Instantiate()
+  extra = layer.CreateVariable('count', [], initializer='zeros',
+                               trainable=False, dtype='int32')
+  assert extra.dtype == 'int32'
+  assert all(v is not extra for v in layer.trainable_variables)
+  assert any(v is extra for v in layer.non_trainable_variables)
+  assert layer.w.dtype == 'float32'
+
+
+# ---- computation ------------------------------------------------------------
+
+
+def testFPropNotOverriddenRaisesTypeErrorNamingTheClass():
+  layer = _NoFProp.Params().Set(name='bare').Instantiate()
+  with pytest.raises(TypeError, match='_NoFProp must override FProp'):
+    layer(tf.ones([1, 2]))
+
+
+def testCallPassesTrainingOnlyWhenFPropAcceptsIt():
+  probe = _TrainingProbe.Params().Set(name='probe').Instantiate()
+  probe(tf.ones([1, 2]), training=True)
+  probe(tf.ones([1, 2]), training=False)
+  assert probe.seen[-2:] == [True, False]
+  # _Affine.FProp has no `training`; calling with it must not fail.
+  affine = _Affine2x3().Instantiate()
+  np.testing.assert_allclose(
+      affine(tf.ones([1, 3]), training=True).numpy(),
+      affine(tf.ones([1, 3])).numpy())
+
+
+def testDefaultFPropMetaInstantiatesAndTraces():
+  p = _Affine.Params().Set(name='affine', input_dims=3, output_dims=5)
+  meta = _Affine.FPropMeta(p, (None, 3))
+  assert meta.output_shape == (None, 5)
+  assert meta.num_params == 3 * 5 + 5
+  meta = _Affine.FPropMeta(p, (4, 3))
+  assert meta.output_shape == (4, 5)
+  assert meta.activation_bytes == 4.0 * 4 * 5
+  assert meta.flops > 0
+
+
+def testComputeOutputShapeUsesFPropMeta():
+
+  class Declared(_Affine):
+
+    @classmethod
+    def FPropMeta(cls, p, input_shape):
+      return base_layer.CostMeta(output_shape=(input_shape[0], 42))
+
+  layer = Declared.Params().Set(name='declared').Instantiate()
+  assert layer.compute_output_shape((7, 3)) == (7, 42)
+  plain = _Affine2x3().Instantiate()
+  assert tuple(plain.compute_output_shape((7, 3))) == (7, 2)
+
+
+# ---- step context -----------------------------------------------------------
+
+
+def testStatelessSeedOnlyInsideAStepAndPerLayer():
+  a = _Affine2x3('a').Instantiate()
+  b = _Affine2x3('b').Instantiate()
+  assert a.StatelessSeed() is None
+  step = tf.constant([5, 9], tf.int32)
+  with base_layer.StepSeed(step):
+    assert base_layer.CurrentStepSeed() is step
+    sa1 = a.StatelessSeed().numpy()
+    sa2 = a.StatelessSeed().numpy()
+    sb = b.StatelessSeed().numpy()
+    salted = a.StatelessSeed('mask').numpy()
+  assert base_layer.CurrentStepSeed() is None
+  assert a.StatelessSeed() is None
+  np.testing.assert_array_equal(sa1, sa2)
+  assert sa1.shape == (2,)
+  assert not np.array_equal(sa1, sb)
+  assert not np.array_equal(sa1, salted)
+  with base_layer.StepSeed(tf.constant([6, 9], tf.int32)):
+    assert not np.array_equal(a.StatelessSeed().numpy(), sa1)
+  # A fresh layer of the same name reproduces the seed (what a recomputed
+  # forward relies on).
+  with base_layer.StepSeed(step):
+    np.testing.assert_array_equal(_Affine2x3('a').Instantiate()
+                                  .StatelessSeed().numpy(), sa1)
+
+
+def testStepContextIsRestoredAfterErrorsAndIsPerThread():
+  with pytest.raises(RuntimeError):
+    with base_layer.StepSeed(tf.constant([1, 2])):
+      raise RuntimeError('boom')
+  assert base_layer.CurrentStepSeed() is None
+  seen = []
+  with base_layer.StepSeed(tf.constant([1, 2])):
+    thread = threading.Thread(
+        target=lambda: seen.append(base_layer.CurrentStepSeed()))
+    thread.start()
+    thread.join()
+  assert seen == [None]
+
+
+def testDeferredStatsAreRoutedAndAppliedOncePerLayer():
+  a = _Recorder.Params().Set(name='a').Instantiate()
+  b = _Recorder.Params().Set(name='b').Instantiate()
+  collector = base_layer.DeferredStatsCollector()
+  assert base_layer.CurrentStatsCollector() is None
+  with base_layer.CollectDeferredStats(collector):
+    assert base_layer.CurrentStatsCollector() is collector
+    for mb in range(3):
+      base_layer.CurrentStatsCollector().Add(a, ('a', mb), 2.0)
+    base_layer.CurrentStatsCollector().Add(b, ('b', 0), 4.0)
+  assert base_layer.CurrentStatsCollector() is None
+  assert len(collector) == 2
+  updates = collector.Apply()
+  assert sorted(updates) == ['update-a', 'update-b']
+  assert a.applied == [[(2.0, ('a', 0)), (2.0, ('a', 1)), (2.0, ('a', 2))]]
+  assert b.applied == [[(4.0, ('b', 0))]]
+  # Records are consumed: a second Apply applies nothing.
+  assert not collector.Apply() and len(collector) == 0
+  assert len(a.applied) == 1
+
+
+def testRecomputingIsScopedAndNests():
+  assert not base_layer.IsRecomputing()
+  with base_layer.Recomputing():
+    assert base_layer.IsRecomputing()
+    with base_layer.Recomputing(False):
+      assert not base_layer.IsRecomputing()
+    assert base_layer.IsRecomputing()
+  assert not base_layer.IsRecomputing()
+
+
+# ---- shape helpers ----------------------------------------------------------
+
+
+def testShapeHelpersOnNestedShapes():
+  nested = {'a': (None, 3), 'b': [(2,), (4, 5)]}
+  assert base_layer.LeafShapes(nested) == [(None, 3), (2,), (4, 5)]
+  assert base_layer.LeafShapes(tf.TensorShape([2, 3])) == [(2, 3)]
+  assert base_layer.NumElements(nested, batch_size=2) == 6 + 2 + 20
+  assert base_layer.NumElements((None, 3)) == 3
+  assert base_layer.NumElements(()) == 1
+  doubled = base_layer.MapShapes(lambda s: s + (2,), nested)
+  assert doubled == {'a': (None, 3, 2), 'b': [(2, 2), (4, 5, 2)]}
+  assert isinstance(doubled['b'], list)
+  pair = base_layer.MapShapes(lambda s: s[1:], ((1, 2), (3, 4)))
+  assert pair == ((2,), (4,))
+  with pytest.raises(TypeError, match='Not a shape'):
+    base_layer.MapShapes(lambda s: s, {'a': 'oops'})
+  assert base_layer.BatchDim(nested) is None
+  assert base_layer.BatchDim([(8, 3), (9,)]) == 8
+  assert base_layer.BatchDim(()) is None
+
+
+def testSumCosts():
+  total = base_layer.SumCosts([
+      base_layer.CostMeta((None, 4), 10.0, 3, 8.0),
+      base_layer.CostMeta((None, 2), 5.0, 1, 4.0)])
+  assert total == base_layer.CostMeta((None, 2), 15.0, 4, 12.0)
+  assert base_layer.SumCosts([]).output_shape is None
+
+
+# ---- Keras integration ------------------------------------------------------
+
+
+def testTrainsInsideKerasModelFit():
+  keras.utils.set_random_seed(0)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 3)).astype(np.float32)
+  y = x @ np.array([[1.0, -2.0], [0.5, 0.0], [0.0, 3.0]], np.float32)
+  layer = _Affine2x3(seed=1).Instantiate()
+  model = keras.Sequential([keras.Input((3,)), layer])
+  model.compile(optimizer=keras.optimizers.SGD(0.1), loss='mse')
+  history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False,
+                      verbose=0)
+  losses = history.history['loss']
+  assert losses[-1] < 0.5 * losses[0], losses
+  assert [v.path for v in model.trainable_variables] == [
+      v.path for v in layer.trainable_variables]
+
+
+def testCheckpointRoundTripRestoresOutputs(tmp_path):
+  x = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3))
+  saved = _Parent.Params().Set(name='parent', random_seed=1).Instantiate()
+  other = _Parent.Params().Set(name='parent', random_seed=2).Instantiate()
+  want = saved(x).numpy()
+  assert not np.allclose(other(x).numpy(), want)
+  path = tf.train.Checkpoint(model=saved).write(str(tmp_path / 'ckpt'))
+  tf.train.Checkpoint(model=other).read(path).assert_consumed()
+  np.testing.assert_array_equal(other(x).numpy(), want)
+

@@ -1,0 +1,72 @@
+"""Tests of `--mode=inspect_model`'s table (tfpipe.trainer.model_inspect).
+
+Protected properties: the table shows the configuration that will run
+(cells, micro-batch size, schedule, balance, remat), one row per cell with
+its device and its layers in order, parameter counts that add up to the
+model's, flop shares that add up to 100%, and the devices the pipeline
+would really use; too many partitions fail the same way training would.
+"""
+
+import re
+
+import pytest
+
+from tfpipe import model_registry
+from tfpipe.trainer import model_inspect
+
+# TinyMlp: 16 -> 32 x 4 hidden -> 4 classes.
+_TINY_MLP_PARAMS = (16 * 32 + 32) + 3 * (32 * 32 + 32) + (32 * 4 + 4)
+
+
+def _Params(**pipeline):
+  p = model_registry.GetParams('mlp.TinyMlp')
+  p.task.pipeline.Set(**pipeline)
+  return p
+
+
+def _Rows(table):
+  return [line.split() for line in table.splitlines()
+          if re.match(r'cell\d', line)]
+
+
+def testTableDescribesEachCell():
+  p = _Params(num_partitions=2, num_micro_batches=4, balance=[2, 3])
+  table = model_inspect.ModelTable(p)
+  header = table.splitlines()[0]
+  assert header.startswith('Model mlp.TinyMlp: 2 cell(s), 4 micro-batch(es) '
+                           'of 8 examples')
+  assert 'schedule=gpipe' in header and 'balance=[2, 3]' in header
+  assert 'remat=always' in header
+  rows = _Rows(table)
+  assert [r[:2] for r in rows] == [['cell0', '/CPU:0'], ['cell1', '/CPU:1']]
+  assert [' '.join(r[6:]) for r in rows] == ['fc_0, fc_1', 'fc_2, fc_3, logits']
+  params = [int(r[2].replace(',', '')) for r in rows]
+  assert params == [(16 * 32 + 32) + (32 * 32 + 32),
+                    2 * (32 * 32 + 32) + (32 * 4 + 4)]
+  assert sum(params) == _TINY_MLP_PARAMS
+  shares = [float(r[4].rstrip('%')) for r in rows]
+  assert sum(shares) == pytest.approx(100.0, abs=0.2)
+  total = table.splitlines()[-1].split()
+  assert total[0] == 'total' and total[1] == f'{_TINY_MLP_PARAMS:,}'
+
+
+def testTableShowsConfiguredDevicesAndSchedule():
+  p = _Params(num_partitions=3, num_micro_batches=2, schedule='1f1b',
+              devices=['/CPU:5', '/CPU:6', '/CPU:7'])
+  table = model_inspect.ModelTable(p)
+  assert '2 micro-batch(es) of 16 examples, schedule=1f1b' in table
+  rows = _Rows(table)
+  assert [r[1] for r in rows] == ['/CPU:5', '/CPU:6', '/CPU:7']
+  assert sum(int(r[2].replace(',', '')) for r in rows) == _TINY_MLP_PARAMS
+
+
+def testTooManyPartitionsFailsLikeTraining():
+  with pytest.raises(ValueError, match='needs 16 devices'):
+    model_inspect.ModelTable(_Params(num_partitions=16))
+
+
+@pytest.mark.parametrize('value,text', [
+    (0, '0'), (999, '999'), (1234, '1.23K'), (1.5e6, '1.5M'), (2e9, '2G'),
+    (3e12, '3T'), (4e15, '4P')])
+def testHumanUnits(value, text):
+  assert model_inspect._Human(value) == text  # pylint: disable=protected-access

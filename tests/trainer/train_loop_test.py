@@ -1,0 +1,145 @@
+"""Tests of the in-process training loop (tfpipe.trainer.train_loop.Trainer).
+
+Protected properties: a run interrupted after a checkpoint and resumed in a
+new Trainer gives exactly the losses of an uninterrupted run; checkpoints
+are kept per `save_interval_steps`, always include the final step, and
+honour `max_checkpoints_to_keep`; TensorBoard scalars for train and eval
+are written to the logdir at the right steps; and the progress lines keep
+the format that tools (and tests/trainer/trainer_test.py) parse.
+"""
+
+import glob
+import os
+import re
+
+import pytest
+import tensorflow as tf
+
+from tfpipe import model_registry
+from tfpipe.trainer import train_loop
+
+_MAX_STEPS = 5
+_STEP_RE = re.compile(
+    r'^step (\d+)/5 loss=(\d+\.\d{6}) examples/s=\d+\.\d '
+    r'step_time=\d+\.\dms accuracy=\S+ grad_norm=\S+ learning_rate=\S+$')
+
+
+def _Params():
+  p = model_registry.GetParams('mlp.TinyMlp')
+  p.input.batch_size = 8
+  p.task.model.Set(hidden_dim=8, num_hidden_layers=2)
+  p.task.pipeline.Set(num_partitions=2, num_micro_batches=2)
+  p.task.train.Set(max_steps=_MAX_STEPS, save_interval_steps=2,
+                   log_interval_steps=1, max_checkpoints_to_keep=2)
+  p.task.eval.Set(interval_steps=2, num_batches=1)
+  return p
+
+
+class _Crash(Exception):
+  pass
+
+
+def _Train(logdir, crash_after_step=None):
+  """Trains in `logdir`; returns the log lines (up to the simulated crash)."""
+  lines = []
+
+  def Log(line):
+    lines.append(line)
+    if crash_after_step and line.startswith(f'step {crash_after_step}/'):
+      raise _Crash(line)
+
+  trainer = train_loop.Trainer(_Params(), str(logdir), log=Log)
+  try:
+    trainer.Train()
+  except _Crash:
+    pass
+  return lines
+
+
+def _Events(logdir, name):
+  """{tag: {step: value}} and the plugin names of `logdir/name`'s scalars."""
+  values, plugins = {}, set()
+  for path in sorted(glob.glob(os.path.join(logdir, name, 'events.*'))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        values.setdefault(value.tag, {})[event.step] = float(
+            tf.make_ndarray(value.tensor))
+        plugins.add(value.metadata.plugin_data.plugin_name)
+  return values, plugins
+
+
+@pytest.fixture(name='reference', scope='module')
+def _Reference(tmp_path_factory):
+  logdir = tmp_path_factory.mktemp('reference')
+  return logdir, _Train(logdir)
+
+
+def testProgressLines(reference):
+  _, lines = reference
+  steps = [line for line in lines if line.startswith('step ')]
+  assert len(steps) == _MAX_STEPS
+  for i, line in enumerate(steps, start=1):
+    m = _STEP_RE.match(line)
+    assert m, line
+    assert int(m.group(1)) == i
+  evals = [line for line in lines if line.startswith('eval step')]
+  assert [line.split(':')[0] for line in evals] == [
+      'eval step 2', 'eval step 4', 'eval step 5']
+  assert all(re.match(r'eval step \d: accuracy=\S+ loss=\S+$', line)
+             for line in evals), evals
+  assert re.match(r'Final: step=5 train_loss=\d+\.\d{6} eval: accuracy=\S+ '
+                  r'loss=\S+ train_time=\d+\.\ds$', lines[-1]), lines[-1]
+  assert not any(line.startswith('Restored') for line in lines)
+
+
+def testSummariesAreWrittenToTheLogdir(reference):
+  logdir, lines = reference
+  train, plugins = _Events(logdir, 'train')
+  assert plugins == {'scalars'}
+  assert set(train) == {'loss', 'accuracy', 'grad_norm', 'learning_rate',
+                        'step_time_s', 'examples_per_sec'}
+  assert all(sorted(v) == [1, 2, 3, 4, 5] for v in train.values())
+  for line in lines:
+    m = _STEP_RE.match(line)
+    if m:
+      assert f'{train["loss"][int(m.group(1))]:.6f}' == m.group(2)
+  evaluated, _ = _Events(logdir, 'eval')
+  assert set(evaluated) == {'loss', 'accuracy'}
+  assert sorted(evaluated['loss']) == [2, 4, 5]
+
+
+def testCheckpointsKeepTheNewestAndTheFinalStep(reference):
+  logdir, _ = reference
+  ckpt_dir = os.path.join(logdir, train_loop.CHECKPOINT_DIR)
+  state = tf.train.get_checkpoint_state(ckpt_dir)
+  assert os.path.basename(state.model_checkpoint_path) == 'ckpt-5'
+  assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == [
+      'ckpt-4', 'ckpt-5']
+  names = [n for n, _ in tf.train.list_variables(state.model_checkpoint_path)]
+  assert 'global_step/.ATTRIBUTES/VARIABLE_VALUE' in names
+
+
+def testResumeGivesIdenticalSubsequentLosses(reference, tmp_path):
+  ref_logdir, _ = reference
+  want, _ = _Events(ref_logdir, 'train')
+  first = _Train(tmp_path, crash_after_step=3)
+  assert first[-1].startswith('step 3/')
+  assert tf.train.latest_checkpoint(
+      str(tmp_path / train_loop.CHECKPOINT_DIR)).endswith('ckpt-2')
+  second = _Train(tmp_path)
+  assert re.match(r'Restored \S+ckpt-2 at step 2\.$', second[0]), second[0]
+  assert [line.split()[1] for line in second if line.startswith('step ')] == [
+      '3/5', '4/5', '5/5']
+  got, _ = _Events(tmp_path, 'train')
+  for step in (3, 4, 5):
+    assert got['loss'][step] == want['loss'][step], step
+    assert got['grad_norm'][step] == want['grad_norm'][step], step
+
+
+def testWriteScalarsAndFormatMetrics(tmp_path):
+  writer = tf.summary.create_file_writer(str(tmp_path / 'w'))
+  train_loop.WriteScalars(writer, 7, {'a': 1.5, 'b': -2.0})
+  values, plugins = _Events(tmp_path, 'w')
+  assert values == {'a': {7: 1.5}, 'b': {7: -2.0}} and plugins == {'scalars'}
+  assert train_loop.FormatMetrics({'z': 1.0, 'a': 0.1234567891}) == (
+      'a=0.123457 z=1')
