@@ -41,6 +41,11 @@ flags.DEFINE_integer('num_layers', 8, 'FC layers (dim x dim matmuls).')
 flags.DEFINE_integer('dim', 512, 'Width of the FC layers.')
 flags.DEFINE_integer('batch', 512, 'Global batch size.')
 flags.DEFINE_integer('reps', 7, 'Timed repetitions per configuration.')
+flags.DEFINE_integer('worker_inter_op_threads', 1, 'Inter-op threads of each '
+                     'worker. 1 is strictly one op at a time, but then a '
+                     "stage's sends wait behind its next compute op; 2 lets "
+                     'sends and receives proceed while the schedule\'s '
+                     'control dependencies still serialize the actions.')
 flags.DEFINE_integer('startup_timeout_s', 90, 'Deadline for workers to listen.')
 flags.DEFINE_integer('total_timeout_s', 540, 'Watchdog for the whole run.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
@@ -55,8 +60,9 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _RunWorker():
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                    inter_op_parallelism_threads=1)
+  config = tf.compat.v1.ConfigProto(
+      intra_op_parallelism_threads=1,
+      inter_op_parallelism_threads=FLAGS.worker_inter_op_threads)
   cluster = tf.train.ClusterSpec(json.loads(FLAGS.worker_cluster))
   server = tf.distribute.Server(cluster, job_name='worker',
                                 task_index=FLAGS.worker_task, config=config,
@@ -88,7 +94,8 @@ def _StartWorkers(num):
   for k in range(num):
     _PROCS.append(subprocess.Popen(
         [sys.executable, '-m', 'benchmarks.pipeline_efficiency',
-         f'--worker_cluster={json.dumps(spec)}', f'--worker_task={k}'],
+         f'--worker_cluster={json.dumps(spec)}', f'--worker_task={k}',
+         f'--worker_inter_op_threads={FLAGS.worker_inter_op_threads}'],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         cwd=_REPO_ROOT))
   deadline = time.time() + FLAGS.startup_timeout_s
@@ -183,7 +190,8 @@ def main(argv):
                     'samples_s': samples[name], 'speedup': speedup,
                     'ideal_speedup': ideal, 'fraction_of_ideal':
                         speedup / ideal})
-  print(f'\nK={k} single-threaded worker processes over gRPC on 127.0.0.1; '
+  print(f'\nK={k} worker processes (intra-op threads 1, inter-op '
+        f'{FLAGS.worker_inter_op_threads}) over gRPC on 127.0.0.1; '
         f'{FLAGS.num_layers} x FC({FLAGS.dim}), batch {FLAGS.batch}, no '
         f'remat; median of {FLAGS.reps} alternating reps')
   print(bench_lib.FormatTable(
