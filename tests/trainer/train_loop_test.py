@@ -143,3 +143,22 @@ def testWriteScalarsAndFormatMetrics(tmp_path):
   assert values == {'a': {7: 1.5}, 'b': {7: -2.0}} and plugins == {'scalars'}
   assert train_loop.FormatMetrics({'z': 1.0, 'a': 0.1234567891}) == (
       'a=0.123457 z=1')
+
+
+def testTimelineStepWritesTheTimelineAndLeavesTrainingUnchanged(
+    reference, tmp_path):
+  _, reference_lines = reference
+  lines = []
+  p = _Params()
+  p.task.train.timeline_step = 3
+  train_loop.Trainer(p, str(tmp_path), log=lines.append).Train()
+  # Same losses as the run without a timeline: recording changes nothing.
+  assert ([l for l in lines if _STEP_RE.match(l)] and
+          [_STEP_RE.match(l).group(2) for l in lines if _STEP_RE.match(l)] ==
+          [_STEP_RE.match(l).group(2) for l in reference_lines
+           if _STEP_RE.match(l)])
+  text = (tmp_path / 'timeline.txt').read_text()
+  assert 'bubble     measured' in text and 'dev1' in text
+  assert (tmp_path / 'timeline.json').stat().st_size > 0
+  assert (tmp_path / 'timeline.png').stat().st_size > 1000
+  assert any(l.startswith('timeline written to') for l in lines)

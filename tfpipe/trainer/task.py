@@ -57,6 +57,9 @@ def TrainParams():
   p.Define('max_steps', 1000, 'Number of optimizer steps to train for.')
   p.Define('save_interval_steps', 100, 'Save a checkpoint every this many steps.')
   p.Define('max_checkpoints_to_keep', 3, 'Number of recent checkpoints kept.')
+  p.Define('timeline_step', 0,
+           'Record one training step\'s per-device timeline at this step into '
+           'the logdir (timeline.txt/.json/.png); 0 records none.')
   p.Define('log_interval_steps', 50,
            'Print a progress line and write summaries every this many steps.')
   return p

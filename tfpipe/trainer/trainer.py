@@ -51,6 +51,9 @@ flags.DEFINE_integer('log_interval_steps', None,
                      'Overrides task.train.log_interval_steps.')
 flags.DEFINE_integer('eval_interval_steps', None,
                      'Overrides task.eval.interval_steps.')
+flags.DEFINE_integer('timeline_step', None,
+                     'Overrides task.train.timeline_step: record that step\'s '
+                     'per-device timeline into the logdir.')
 flags.DEFINE_boolean('deterministic', True,
                      'Use deterministic TensorFlow ops, so reruns and resumed '
                      'runs give identical losses.')
@@ -86,6 +89,7 @@ def BuildParams():
       'task.train.save_interval_steps': FLAGS.save_interval_steps,
       'task.train.log_interval_steps': FLAGS.log_interval_steps,
       'task.eval.interval_steps': FLAGS.eval_interval_steps,
+      'task.train.timeline_step': FLAGS.timeline_step,
   }
   if FLAGS.seed is not None:
     overrides.update({'task.random_seed': FLAGS.seed, 'input.seed': FLAGS.seed,
