@@ -96,8 +96,8 @@ def _Trial(kind, layers, cells):
                           cwd=_REPO_ROOT,
                           timeout=FLAGS.trial_timeout_s, check=False)
   except subprocess.TimeoutExpired:
-    print(f'    {kind} K={cells} L={layers}: timed out')
-    return None
+    print(f'    {kind} K={cells} L={layers}: timed out (tracing, not memory)')
+    return {'timed_out': True}
   for line in proc.stdout.splitlines():
     if line.startswith('TRIAL '):
       return json.loads(line[len('TRIAL '):])
@@ -106,21 +106,47 @@ def _Trial(kind, layers, cells):
 
 
 def _Search(kind, cells, budget_bytes, start):
-  """Largest L in [1, max_layers] whose peak fits; returns (L, trial, log)."""
+  """Largest L in [1, max_layers] whose peak fits.
+
+  Returns (L, trial, log, lower_bound); lower_bound is True when a trial
+  timed out, so L is only the largest size known to fit.
+  """
   log = []
 
   def Fits(layers):
     res = _Trial(kind, layers, cells)
+    if res is not None and res.get('timed_out'):
+      raise _TimedOut(layers)
     ok = res is not None and res['peak'] <= budget_bytes
     log.append({'layers': layers, 'fits': ok, **(res or {})})
     peak = f'{res["peak"] / _MIB:.1f} MiB' if res else '-'
     print(f'    L={layers:4d}: peak {peak}  {"fits" if ok else "too big"}')
     return ok, res
 
+  try:
+    good, good_res = _Grow(Fits, max(start, cells))
+  except _TimedOut as e:
+    fitting = [t for t in log if t['fits']]
+    best = max(fitting, key=lambda t: t['layers']) if fitting else None
+    good = best['layers'] if best else 0
+    print(f'    stopped: L={e.layers} timed out; {good} is a lower bound')
+    return good, best, log, True
+  return good, good_res, log, False
+
+
+class _TimedOut(Exception):
+
+  def __init__(self, layers):
+    super().__init__(f'trial with {layers} layers timed out')
+    self.layers = layers
+
+
+def _Grow(fits, start):
+  """Doubles from `start` until a trial fails, then bisects."""
   good, good_res, bad = 0, None, None
   layers = max(1, start)
   while layers <= FLAGS.max_layers:
-    ok, res = Fits(layers)
+    ok, res = fits(layers)
     if not ok:
       bad = layers
       break
@@ -130,12 +156,12 @@ def _Search(kind, cells, budget_bytes, start):
     bad = FLAGS.max_layers + 1
   while bad - good > 1:
     mid = (good + bad) // 2
-    ok, res = Fits(mid)
+    ok, res = fits(mid)
     if ok:
       good, good_res = mid, res
     else:
       bad = mid
-  return good, good_res, log
+  return good, good_res
 
 
 def main(argv):
@@ -156,9 +182,10 @@ def main(argv):
   results, start = [], 1
   for kind, name, cells, limit in configs:
     print(f'{name}: budget {limit / _MIB:.0f} MiB total')
-    layers, res, log = _Search(kind, cells, limit, start)
+    layers, res, log, lower_bound = _Search(kind, cells, limit, start)
     start = max(1, layers)
     results.append({'config': name, 'layers': layers,
+                    'lower_bound': lower_bound,
                     'params': res['params'] if res else 0,
                     'peak_bytes': res['peak'] if res else None,
                     'budget_bytes': limit, 'trials': log})
@@ -166,7 +193,9 @@ def main(argv):
   rows = []
   for r in results:
     growth = r['params'] / base['params'] if base['params'] else float('nan')
-    rows.append([r['config'], r['layers'], f'{r["params"] / 1e6:.2f}M',
+    rows.append([r['config'],
+                 f'>={r["layers"]}' if r['lower_bound'] else r['layers'],
+                 f'{r["params"] / 1e6:.2f}M',
                  (r['peak_bytes'] or 0) / _MIB, growth, paper[r['config']]])
   print(f'\nTransformer dim={FLAGS.dim}, hidden={4 * FLAGS.dim}, '
         f'seq={FLAGS.seq}, batch={FLAGS.batch}, M={m}; budget '
