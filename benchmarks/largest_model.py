@@ -37,7 +37,7 @@ flags.DEFINE_integer('num_micro_batches', 4, 'M of the pipelined runs.')
 flags.DEFINE_integer('batch', 16, 'Global batch size N.')
 flags.DEFINE_integer('seq', 64, 'Sequence length.')
 flags.DEFINE_integer('dim', 128, 'Model dim (hidden 4*dim).')
-flags.DEFINE_integer('max_layers', 24, 'Stop the search here.')
+flags.DEFINE_integer('max_layers', 16, 'Stop the search here.')
 flags.DEFINE_integer('trial_timeout_s', 240, 'Timeout of one trial.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
 # Internal: set when this file runs as one trial's subprocess.
