@@ -415,3 +415,19 @@ def test_micro_batch_size_alternative():
   assert pipe.Executor(4).schedule.num_micro_batches == 4
   np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
   _AssertAllClose(out.gradients, ref_grads)
+
+
+def test_cost_model_matches_the_built_cells():
+  layer_params = _LayerParams(6)
+  p = gpipe.PartitionSequentialLayers(layer_params, 3, balance='params')
+  pipe_p = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=p, devices=_Devices(3))
+  pipe = pipe_p.Instantiate()
+  per_cell = pipe.CellCosts((BATCH, DIM))
+  assert [c.num_params for c in per_cell] == [
+      sum(int(np.prod(v.shape)) for v in cell.trainable_variables)
+      for cell in pipe.cells]
+  total = gpipe.PipeliningLayer.FPropMeta(pipe_p, (None, DIM))
+  assert total.output_shape == (None, DIM)
+  assert total.num_params == sum(c.num_params for c in per_cell)
+  assert total.flops > 0

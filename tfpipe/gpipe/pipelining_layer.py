@@ -24,6 +24,7 @@ from tfpipe import base_layer
 from tfpipe.gpipe import cell as cell_lib
 from tfpipe.gpipe import executor as executor_lib
 from tfpipe.gpipe import microbatch
+from tfpipe.gpipe import partition
 from tfpipe.gpipe import schedule as schedule_lib
 
 
@@ -345,20 +346,8 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p, input_shape):
-    metas = []
-    shape = input_shape
-    for cell_p in p.cell_tpl:
-      meta = cell_p.target_cls.FPropMeta(cell_p, shape)
-      metas.append(meta)
-      shape = meta.output_shape
-    return base_layer.SumCosts(metas)
+    return base_layer.SumCosts(partition.LayerCosts(p.cell_tpl, input_shape))
 
   def CellCosts(self, input_shape):
     """FPropMeta of each cell, chaining shapes: for inspection and simulation."""
-    metas = []
-    shape = input_shape
-    for cell_p in self.p.cell_tpl:
-      meta = cell_p.target_cls.FPropMeta(cell_p, shape)
-      metas.append(meta)
-      shape = meta.output_shape
-    return metas
+    return partition.LayerCosts(self.p.cell_tpl, input_shape)
