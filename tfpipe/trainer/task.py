@@ -209,11 +209,6 @@ class BaseTask:
             f'{name}={batch_size} is smaller than {prefix}.pipeline.'
             f'num_micro_batches={pp.num_micro_batches}: every micro-batch '
             f'needs an example. Raise {name} or lower --num_micro_batches.')
-      if batch_size % pp.num_micro_batches:
-        raise ValueError(
-            f'{name}={batch_size} is not a multiple of {prefix}.pipeline.'
-            f'num_micro_batches={pp.num_micro_batches}; make it one so '
-            'micro-batches are equal.')
     tp = p.train
     optimizer_lib.CheckParams(tp.optimizer, tp.lr_schedule, prefix + '.train')
     for name in ('max_steps', 'save_interval_steps', 'log_interval_steps',
