@@ -86,8 +86,22 @@ def MakePipe(layer_params, num_cells, num_micro_batches, devices, remat,
   return p.Instantiate()
 
 
-def PipeTrainStep(pipe):
-  """tf.function: one pipelined forward+backward and an SGD update."""
+def PipeTrainStep(pipe, x=None):
+  """One pipelined forward+backward and an SGD update.
+
+  For executor='graph' the whole step is a tf.function of x. For
+  executor='threads' the pipelined part runs eagerly (it dispatches its own
+  traced functions) and only the update is traced; pass x then, and call the
+  result with no arguments.
+  """
+  if pipe.p.executor == 'threads':
+    update = tf.function(lambda grads: Sgd(pipe.trainable_variables, grads))
+
+    def ThreadedStep():
+      out = pipe.ComputeLossAndGradients(x, None, Loss)
+      update(out.gradients)
+      return out.loss
+    return ThreadedStep
 
   @tf.function
   def Step(x):

@@ -2,27 +2,40 @@ r"""Pipeline speed-up against micro-batch count on exclusive devices.
 
 Why: GPipe's throughput claim (Table 2) assumes devices that each run one op
 at a time, so micro-batches on different stages overlap and the bubble is
-(K-1)/(M+K-1). Logical CPU devices in one process are NOT exclusive: all run
-on one shared thread pool, so a "pipeline" there is just more parallelism.
-To measure pipelining as an accelerator would see it, each stage here is a
-separate single-threaded TensorFlow server process (`tf.distribute.Server`,
-intra- and inter-op threads = 1) on 127.0.0.1, and cell k is placed on
-`/job:worker/task:k/device:CPU:0`. The driver (this process) connects to the
-cluster and runs the pipelined step as one tf.function; activations cross
-processes over gRPC.
+(K-1)/(M+K-1). Logical CPU devices in one process are not like that: they
+share one thread pool. Two modes make them exclusive:
 
-Reported: median step time per M, the measured speed-up over M=1 next to the
-ideal K*M/(M+K-1) (equal stages, free transfers) and to GPipe Table 2 /
-torchgpipe, plus the measured bubble of one recorded step at the largest M.
+  threads (default)  tfpipe's own executor='threads' with
+                     serialize_device_ops=True: one Python thread per device
+                     calls each action's traced function, and TensorFlow's
+                     single-threaded executor runs its ops one at a time in
+                     that device's lane (intra-op threads = 1). This is what a
+                     user gets on CPU.
+  grpc_graph         executor='graph' with each stage in a single-threaded
+                     `tf.distribute.Server` process on 127.0.0.1: the whole
+                     step is one graph. TF 2.21 runs such a graph's stages
+                     one after another, so this mode shows why the threads
+                     executor exists.
 
-Safety: servers bind to 127.0.0.1 only; every wait has a deadline; worker
-processes are terminated in `finally` and at exit; a watchdog ends the run
-if it exceeds --total_timeout_s.
+Reported: median step time per M, the speed-up over M=1 next to the ideal
+K*M/(M+K-1) and to GPipe Table 2 / torchgpipe. The threads mode also runs
+the same pipeline with every cell on ONE device thread, which splits the
+result in two: micro-batch efficiency (how much slower M small micro-batches
+are than one big one, with no pipelining at all) and pipelining speed-up at
+equal M (one device against K). One recorded step at the largest M gives the
+measured bubble.
+
+Safety (grpc_graph): servers bind to 127.0.0.1 only; every wait has a
+deadline; worker processes are terminated in `finally` and at exit; a
+watchdog ends the run if it exceeds --total_timeout_s.
 
     python -m benchmarks.pipeline_efficiency --output_json=/tmp/eff.json
+    python -m benchmarks.pipeline_efficiency --mode=grpc_graph --dim=512 \
+        --batch=512
 """
 
 import atexit
+import concurrent.futures
 import json
 import os
 import socket
@@ -35,11 +48,19 @@ from absl import app
 from absl import flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer('num_cells', 2, 'K: stages (worker processes).')
+flags.DEFINE_enum('mode', 'threads', ['threads', 'grpc_graph'],
+                  'threads: in-process device threads (executor=threads); '
+                  'grpc_graph: one graph over single-threaded worker '
+                  'processes.')
+flags.DEFINE_integer('num_cells', 2, 'K: stages (devices).')
 flags.DEFINE_list('micro_batches', ['1', '2', '4', '8'], 'M values.')
 flags.DEFINE_integer('num_layers', 8, 'FC layers (dim x dim matmuls).')
-flags.DEFINE_integer('dim', 512, 'Width of the FC layers.')
-flags.DEFINE_integer('batch', 512, 'Global batch size.')
+flags.DEFINE_integer('dim', 256, 'Width of the FC layers.')
+flags.DEFINE_integer('batch', 8192, 'Global batch size. Large enough that '
+                     'a micro-batch at M=8 still runs its matmuls at full '
+                     'speed on one core (see the micro-batch efficiency '
+                     'column).')
+flags.DEFINE_string('schedule', 'gpipe', 'gpipe or 1f1b.')
 flags.DEFINE_integer('reps', 7, 'Timed repetitions per configuration.')
 flags.DEFINE_integer('worker_inter_op_threads', 1, 'Inter-op threads of each '
                      'worker. 1 is strictly one op at a time, but then a '
@@ -127,12 +148,19 @@ def _Watchdog():
   return t
 
 
-def _Measure(spec):
-  """Connects to the workers and times the pipeline for each M."""
+def _LayerParams():
+  # pylint: disable=g-import-not-at-top
+  from tfpipe import layers
+  return [layers.FCLayer.Params().Set(
+      name=f'fc{i}', input_dims=FLAGS.dim, output_dims=FLAGS.dim)
+          for i in range(FLAGS.num_layers)]
+
+
+def _MeasureGrpcGraph(spec):
+  """Connects to the workers and times the one-graph pipeline for each M."""
   # pylint: disable=g-import-not-at-top
   from benchmarks import bench_lib
   from tfpipe import gpipe
-  from tfpipe import layers
   from tfpipe import timeline
   tf = bench_lib.tf
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -141,22 +169,70 @@ def _Measure(spec):
       resolver, make_master_device_default=False)
   k = FLAGS.num_cells
   devices = [f'/job:worker/replica:0/task:{i}/device:CPU:0' for i in range(k)]
-  layer_params = [layers.FCLayer.Params().Set(
-      name=f'fc{i}', input_dims=FLAGS.dim, output_dims=FLAGS.dim)
-                  for i in range(FLAGS.num_layers)]
-  cells = gpipe.PartitionSequentialLayers(layer_params, k, balance='params')
+  cells = gpipe.PartitionSequentialLayers(_LayerParams(), k, balance='params')
   with tf.device(devices[0]):
     x = tf.random.stateless_normal([FLAGS.batch, FLAGS.dim], seed=[1, 2])
   pipes, steps = {}, {}
   for m in [int(v) for v in FLAGS.micro_batches]:
     p = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=m, devices=devices,
-        remat_policy='never')
+        remat_policy='never', schedule=FLAGS.schedule)
     pipes[m] = p.Instantiate()
     steps[f'M={m}'] = (lambda s=bench_lib.PipeTrainStep(pipes[m]): s(x))
   samples = bench_lib.TimeAlternating(steps, FLAGS.reps, log=print)
   last_m = max(pipes)
   tl = timeline.RecordStep(pipes[last_m], x, None, bench_lib.Loss)
+  return samples, tl
+
+
+def _MeasureThreads():
+  """Times K device threads and one device thread for each M, alternating."""
+  # pylint: disable=g-import-not-at-top
+  from benchmarks import bench_lib
+  from tfpipe import gpipe
+  from tfpipe import timeline
+  from tfpipe.gpipe import threaded_executor
+  tf = bench_lib.tf
+  k = FLAGS.num_cells
+  # Each device's ops run one at a time in its own lane (see module doc).
+  tf.config.threading.set_intra_op_parallelism_threads(1)
+  tf.config.threading.set_inter_op_parallelism_threads(
+      threaded_executor.InterOpThreadsNeeded(k))
+  devices = bench_lib.SplitCpu(k)
+  cells = gpipe.PartitionSequentialLayers(_LayerParams(), k, balance='params')
+  x = tf.random.stateless_normal([FLAGS.batch, FLAGS.dim], seed=[1, 2])
+  pipes, steps = {}, {}
+  for m in [int(v) for v in FLAGS.micro_batches]:
+    for label, devs in ((f'K={k} M={m}', devices[:k]),
+                        (f'1 device M={m}', devices[:1])):
+      pipe = gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells, num_micro_batches=m, devices=devs,
+          round_robin_placement=True, remat_policy='always',
+          schedule=FLAGS.schedule, executor='threads',
+          serialize_device_ops=True).Instantiate()
+      pipes[label] = pipe
+      steps[label] = bench_lib.PipeTrainStep(pipe, x)
+  # The machine's own ceiling: K independent one-device copies of the model
+  # (no pipeline dependencies at all) stepped at the same time. Their
+  # slowdown against one copy alone is contention for cores, caches and
+  # memory bandwidth, which no schedule can remove.
+  last_m = max(int(v) for v in FLAGS.micro_batches)
+  copies = []
+  for d in devices[:k]:
+    copy_cells = gpipe.PartitionSequentialLayers(_LayerParams(), k,
+                                                 balance='params')
+    copies.append(bench_lib.PipeTrainStep(gpipe.PipeliningLayer.Params().Set(
+        name='copy', cell_tpl=copy_cells, num_micro_batches=last_m,
+        devices=[d], round_robin_placement=True, schedule=FLAGS.schedule,
+        executor='threads', serialize_device_ops=True).Instantiate(), x))
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=k)
+  steps[f'{k} copies together M={last_m}'] = lambda: [
+      f.result() for f in [pool.submit(c) for c in copies]]
+  steps[f'1 copy alone M={last_m}'] = copies[0]
+  samples = bench_lib.TimeAlternating(steps, FLAGS.reps, log=print)
+  pool.shutdown()
+  tl = timeline.RecordStep(pipes[f'K={k} M={last_m}'], x, None,
+                           bench_lib.Loss)
   return samples, tl
 
 
@@ -168,8 +244,11 @@ def main(argv):
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   watchdog = _Watchdog()
   try:
-    spec = _StartWorkers(FLAGS.num_cells)
-    samples, tl = _Measure(spec)
+    if FLAGS.mode == 'threads':
+      samples, tl = _MeasureThreads()
+    else:
+      spec = _StartWorkers(FLAGS.num_cells)
+      samples, tl = _MeasureGrpcGraph(spec)
   finally:
     _KillWorkers()
     watchdog.cancel()
@@ -177,26 +256,60 @@ def main(argv):
   from benchmarks import bench_lib
   k = FLAGS.num_cells
   med = {name: bench_lib.Median(v) for name, v in samples.items()}
-  base = med['M=1']
+  ms = [int(v) for v in FLAGS.micro_batches]
   gpipe_t2 = {1: '1 / 1', 4: '1.07 / 1.7', 32: '1.21 / 1.8'}
+  threads = FLAGS.mode == 'threads'
+  base = med[f'K={k} M=1' if threads else 'M=1']
+  serial_base = med['1 device M=1'] if threads else None
   rows, results = [], []
-  for name, t in med.items():
-    m = int(name.split('=')[1])
+  for m in ms:
+    t = med[f'K={k} M={m}' if threads else f'M={m}']
     ideal = k * m / (m + k - 1)
     speedup = base / t
-    rows.append([name, t * 1e3, speedup, ideal, speedup / ideal,
-                 gpipe_t2.get(m, '')])
-    results.append({'num_micro_batches': m, 'median_s': t,
-                    'samples_s': samples[name], 'speedup': speedup,
-                    'ideal_speedup': ideal, 'fraction_of_ideal':
-                        speedup / ideal})
-  print(f'\nK={k} worker processes (intra-op threads 1, inter-op '
-        f'{FLAGS.worker_inter_op_threads}) over gRPC on 127.0.0.1; '
-        f'{FLAGS.num_layers} x FC({FLAGS.dim}), batch {FLAGS.batch}, no '
-        f'remat; median of {FLAGS.reps} alternating reps')
-  print(bench_lib.FormatTable(
-      ['config', 'median ms', 'speed-up vs M=1', 'ideal K*M/(M+K-1)',
-       'of ideal', 'GPipe T2 K=2 Amoeba/Transf.'], rows))
+    row = [f'M={m}', t * 1e3, speedup, ideal, speedup / ideal]
+    result = {'num_micro_batches': m, 'median_s': t, 'speedup': speedup,
+              'ideal_speedup': ideal, 'fraction_of_ideal': speedup / ideal}
+    if threads:
+      serial = med[f'1 device M={m}']
+      row += [serial * 1e3, serial_base / serial, serial / t,
+              serial / t / ideal]
+      result.update({'one_device_median_s': serial,
+                     'micro_batch_efficiency': serial_base / serial,
+                     'pipelining_speedup_same_m': serial / t,
+                     'pipelining_fraction_of_ideal': serial / t / ideal})
+    rows.append(row + [gpipe_t2.get(m, '')])
+    results.append(result)
+  header = ['config', 'median ms', 'speed-up vs M=1', 'ideal K*M/(M+K-1)',
+            'of ideal']
+  if threads:
+    header += ['1-device ms', 'micro-batch eff.', 'speed-up vs 1 device',
+               'of ideal']
+    print(f'\nK={k} device threads, executor=threads, serialize_device_ops '
+          '(one op at a time per device, intra-op threads 1); '
+          f'{FLAGS.num_layers} x FC({FLAGS.dim}), batch {FLAGS.batch}, '
+          f'{FLAGS.schedule}, remat; median of {FLAGS.reps} alternating reps')
+  else:
+    print(f'\nK={k} worker processes (intra-op threads 1, inter-op '
+          f'{FLAGS.worker_inter_op_threads}) over gRPC on 127.0.0.1, '
+          f'executor=graph; {FLAGS.num_layers} x FC({FLAGS.dim}), batch '
+          f'{FLAGS.batch}, no remat; median of {FLAGS.reps} alternating reps')
+  print(bench_lib.FormatTable(header + ['GPipe T2 K=2 Amoeba/Transf.'], rows))
+  if threads:
+    last_m = max(ms)
+    alone = med[f'1 copy alone M={last_m}']
+    together = med[f'{k} copies together M={last_m}']
+    parallel_efficiency = alone / together
+    ideal = k * last_m / (last_m + k - 1)
+    print(f'Machine ceiling: {k} independent one-device copies stepped '
+          f'together take {together * 1e3:.1f} ms against {alone * 1e3:.1f} ms '
+          f'for one alone: parallel efficiency {parallel_efficiency:.3f}. So '
+          f'at M={last_m} the attainable speed-up is about ideal x '
+          f'{parallel_efficiency:.3f} = {ideal * parallel_efficiency:.3f}; '
+          f'measured {base / med[f"K={k} M={last_m}"]:.3f} '
+          f'({base / med[f"K={k} M={last_m}"] / (ideal * parallel_efficiency):.3f}'
+          ' of that).')
+    results.append({'machine_parallel_efficiency': parallel_efficiency,
+                    'copies_together_s': together, 'copy_alone_s': alone})
   print('torchgpipe (P40, AmoebaNet-D) n=2: m=32 gives 1.773x over m=1; '
         'REFERENCE plain TF over gRPC, K=2: 57/46/52/61 ms at M=1/2/4/8.')
   print(f'\nOne recorded step at M={tl.schedule.num_micro_batches}:')
@@ -204,7 +317,7 @@ def main(argv):
   print(tl.Summary())
   bench_lib.WriteJson(FLAGS.output_json, {
       'benchmark': 'pipeline_efficiency', 'flags': FLAGS.flag_values_dict(),
-      'results': results, 'timeline': tl.AsDict()})
+      'results': results, 'samples_s': samples, 'timeline': tl.AsDict()})
 
 
 if __name__ == '__main__':

@@ -92,7 +92,7 @@ def test_uses_remat_policy_per_micro_batch():
 
 def test_split_float_keeps_integer_leaves_in_place():
   structure = {'a': tf.ones([2]), 'b': (tf.zeros([2], tf.int32), tf.ones([1]))}
-  floats, rebuild = executor_lib._SplitFloat(structure)  # pylint: disable=protected-access
+  floats, rebuild = executor_lib.SplitFloat(structure)
   assert len(floats) == 2
   rebuilt = rebuild([f * 2 for f in floats])
   assert rebuilt['b'][0].dtype == tf.int32

@@ -58,6 +58,20 @@ def testBatchThatMicroBatchesDoNotDivideTrainsTheSame():
                              rtol=1e-5)
 
 
+def testThreadedExecutorTrainsTheSameAsTheGraphExecutor():
+  """--executor=threads changes how steps are dispatched, not the model."""
+  graph = _MlpTaskParams(2, 4).Instantiate()
+  threaded_p = _MlpTaskParams(2, 4)
+  threaded_p.pipeline.executor = 'threads'
+  threaded = threaded_p.Instantiate()
+  np.testing.assert_allclose(_Losses(threaded, 20), _Losses(graph, 20),
+                             rtol=1e-5)
+  assert int(threaded.global_step.numpy()) == 20
+  for a, b in zip(graph.pipe.trainable_variables,
+                  threaded.pipe.trainable_variables):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+
+
 def testTrainStepReportsScalars():
   task = _MlpTaskParams(2, 2, clip_gradient_norm=1e-3).Instantiate()
   batch = next(iter(_Input().GetDataset(0)))
@@ -95,6 +109,9 @@ def testBatchNormModelTrains():
     ({'pipeline.remat_policy': 'sometimes'}, 16,
      r"task.pipeline.remat_policy='sometimes'"),
     ({'pipeline.balance': 'luck'}, 16, r"task.pipeline.balance='luck'"),
+    ({'pipeline.executor': 'fibers'}, 16, r"task.pipeline.executor='fibers'"),
+    ({'pipeline.executor': 'threads', 'pipeline.remat_policy': 'never'}, 16,
+     r"remat_policy='always' \(--remat_policy=always\)"),
     ({'pipeline.num_partitions': 0}, 16, r'task.pipeline.num_partitions'),
     ({'train.optimizer.type': 'adagrad'}, 16,
      r"task.train.optimizer.type='adagrad'"),

@@ -43,14 +43,32 @@ LossAndGradients.__doc__ = (
     '(when recorded) {Action: (start, end)} float64 timestamp tensors.')
 
 
-class _DiscardingCollector(base_layer.DeferredStatsCollector):
+# Errors a cell raises when its layers do not fit its input.
+CELL_ERRORS = (ValueError, TypeError, tf.errors.InvalidArgumentError)
+
+
+def CellError(pipeline_name, cells, k, x, error):
+  """A ValueError naming cell k, its input's shapes and the likely fix."""
+  source = (f'the output of cell {k - 1} ({cells[k - 1].name})'
+            if k else 'the pipeline input')
+  shapes = tf.nest.map_structure(
+      lambda t: None if t is None else tuple(t.shape), x)
+  text = str(error).lower()
+  hint = (' Check that the cells\' layers fit each other (e.g. input_dims).'
+          if 'shape' in text or 'dimension' in text else '')
+  return ValueError(
+      f'{pipeline_name}: cell {k} ({cells[k].name}) failed on {source} with '
+      f'shapes {shapes}.{hint} Cause: {type(error).__name__}: {error}')
+
+
+class DiscardingCollector(base_layer.DeferredStatsCollector):
   """Swallows statistics recorded while a cell is being recomputed."""
 
   def Add(self, layer, stats, count):
     del layer, stats, count
 
 
-def _SplitFloat(structure):
+def SplitFloat(structure):
   """Separates the floating leaves (differentiable) from the rest.
 
   Returns (float_leaves, rebuild) where rebuild(new_float_leaves) puts new
@@ -83,14 +101,14 @@ def _Timestamp(after, device):
     return tf.timestamp()
 
 
-def _ParseLoss(loss_output):
+def ParseLoss(loss_output):
   if isinstance(loss_output, (tuple, list)) and len(loss_output) == 2 and (
       isinstance(loss_output[1], dict)):
     return loss_output[0], loss_output[1]
   return loss_output, {}
 
 
-def _Weighted(value, weight, batch_size):
+def Weighted(value, weight, batch_size):
   """Micro-batch mean -> its share of the full-batch mean (see microbatch.py)."""
   value = tf.convert_to_tensor(value)
   if value.shape.rank == 0:
@@ -99,11 +117,11 @@ def _Weighted(value, weight, batch_size):
       batch_size, tf.float32)
 
 
-def _AsDense(g):
+def AsDense(g):
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-class _GradientAccumulators:
+class GradientAccumulators:
   """One buffer per trainable variable, on its device, summed with assign_add.
 
   Why buffers and not `acc = acc + g`: Grappler's arithmetic optimizer turns a
@@ -164,17 +182,17 @@ class PipelineExecutor:
   def _RunCell(self, k, x, training, seed, remat, collector):
     """Runs cell k on x; with remat only x is kept for the backward pass."""
     cell = self._cells[k]
-    float_in, rebuild_in = _SplitFloat(x)
+    float_in, rebuild_in = SplitFloat(x)
     state = {'calls': 0}
 
     def CellFn(*float_args):
       first = state['calls'] == 0
       state['calls'] += 1
-      active = collector if first or collector is None else _DiscardingCollector()
+      active = collector if first or collector is None else DiscardingCollector()
       with base_layer.StepSeed(seed), base_layer.CollectDeferredStats(
           active), base_layer.Recomputing(not first):
         y = cell(rebuild_in(list(float_args)), training=training)
-      float_out, rebuild_out = _SplitFloat(y)
+      float_out, rebuild_out = SplitFloat(y)
       if first:
         state['rebuild'] = rebuild_out
       return float_out
@@ -184,17 +202,8 @@ class PipelineExecutor:
         float_out = tf.recompute_grad(CellFn)(*float_in)
       else:
         float_out = CellFn(*float_in)
-    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
-      source = (f'the output of cell {k - 1} ({self._cells[k - 1].name})'
-                if k else 'the pipeline input')
-      shapes = tf.nest.map_structure(
-          lambda t: None if t is None else tuple(t.shape), x)
-      hint = (' Check that the cells\' layers fit each other (e.g. '
-              'input_dims).' if 'shape' in str(e).lower() or 'dimension' in
-              str(e).lower() else '')
-      raise ValueError(
-          f'{self._name}: cell {k} ({cell.name}) failed on {source} with '
-          f'shapes {shapes}.{hint} Cause: {type(e).__name__}: {e}') from e
+    except CELL_ERRORS as e:
+      raise CellError(self._name, self._cells, k, x, e) from e
     return state['rebuild'](list(float_out))
 
   # The executor's loops are static Python over the schedule: AutoGraph must
@@ -240,7 +249,7 @@ class PipelineExecutor:
     var_lists = [list(cell.trainable_variables) for cell in self._cells]
     offsets = [sum(len(v) for v in var_lists[:k]) for k in range(num_cells)]
     if self._accumulators is None:
-      self._accumulators = _GradientAccumulators(
+      self._accumulators = GradientAccumulators(
           [v for vs in var_lists for v in vs])
     accumulated_cells = set()
     outputs, tapes, input_grads = {}, {}, {}
@@ -265,23 +274,23 @@ class PipelineExecutor:
           last_on_device.get(d)):
         if kind == schedule_lib.FORWARD:
           x = micro_inputs[m] if k == 0 else outputs.pop((m, k - 1))
-          x_float = _SplitFloat(x)[0] if k > 0 else []
+          x_float = SplitFloat(x)[0] if k > 0 else []
           tape = tf.GradientTape()
           with tape:
             tape.watch(x_float)
             y = self._RunCell(k, x, training, seeds[m],
                               self.UsesRemat(m, training), collector)
             if k == last_cell:
-              loss_m, metrics_m = _ParseLoss(
+              loss_m, metrics_m = ParseLoss(
                   loss_fn(y, None if micro_targets is None else
                           micro_targets[m]))
-              target = _Weighted(loss_m, weights[m], batch_size)
+              target = Weighted(loss_m, weights[m], batch_size)
             else:
-              target = _SplitFloat(y)[0]
+              target = SplitFloat(y)[0]
           if k == last_cell:
             loss_total = target if loss_total is None else loss_total + target
             for name, value in metrics_m.items():
-              w = _Weighted(value, weights[m], batch_size)
+              w = Weighted(value, weights[m], batch_size)
               metric_totals[name] = (w if name not in metric_totals else
                                      metric_totals[name] + w)
             last_on_device[d] = [target]
@@ -300,7 +309,7 @@ class PipelineExecutor:
           if k > 0:
             input_grads[(m, k)] = grads[:len(x_float)]
           updates = [
-              self._accumulators.Add(offsets[k] + i, _AsDense(g),
+              self._accumulators.Add(offsets[k] + i, AsDense(g),
                                      first=k not in accumulated_cells)
               for i, g in enumerate(grads[len(x_float):])]
           accumulated_cells.add(k)

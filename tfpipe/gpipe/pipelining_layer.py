@@ -26,6 +26,9 @@ from tfpipe.gpipe import executor as executor_lib
 from tfpipe.gpipe import microbatch
 from tfpipe.gpipe import partition
 from tfpipe.gpipe import schedule as schedule_lib
+from tfpipe.gpipe import threaded_executor
+
+EXECUTORS = ('graph', 'threads')
 
 
 def DefaultDevices():
@@ -102,7 +105,16 @@ class PipeliningLayer(base_layer.BaseLayer):
              'devices then lists R*K devices, replica by replica, and the '
              'batch is split R ways before micro-batching.')
     p.Define('compile_step', True, 'Run ComputeLossAndGradients inside a '
-             'tf.function when it is called eagerly.')
+             'tf.function when it is called eagerly (graph executor only).')
+    p.Define('executor', 'graph', "How ComputeLossAndGradients runs: 'graph' "
+             "traces the whole step as one graph; 'threads' calls one traced "
+             'function per action from one thread per device, so stages '
+             'overlap on runtimes that run one graph serially (CPU, gRPC); it '
+             "needs eager calls and remat_policy='always'.")
+    p.Define('serialize_device_ops', False, "With executor='threads': each "
+             "device's thread runs its ops one at a time (TensorFlow's "
+             'single-threaded executor), as an accelerator does, instead of '
+             'sharing the inter-op thread pool.')
     return p
 
   def __init__(self, params):
@@ -125,6 +137,15 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.schedule not in schedule_lib.SCHEDULES:
       raise ValueError(f'{p.name}: unknown schedule {p.schedule!r}; expected '
                        f'one of {sorted(schedule_lib.SCHEDULES)}.')
+    if p.executor not in EXECUTORS:
+      raise ValueError(f'{p.name}: unknown executor {p.executor!r}; expected '
+                       f'one of {list(EXECUTORS)}.')
+    if p.executor == 'threads' and p.remat_policy != 'always':
+      raise ValueError(
+          f"{p.name}: executor='threads' recomputes every cell in its "
+          "backward pass, so it needs remat_policy='always'; received "
+          f"remat_policy={p.remat_policy!r}. Set remat_policy='always' or "
+          "use executor='graph'.")
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
       raise ValueError(f'{p.name}: num_replicas must be >= 1. Received: '
                        f'num_replicas={p.num_replicas}')
@@ -150,6 +171,7 @@ class PipeliningLayer(base_layer.BaseLayer):
           name='step_counter', shape=(), dtype='int64', initializer='zeros',
           trainable=False)
     self._executors = {}
+    self._threaded_executors = {}
     self._compiled_step = None
 
   @property
@@ -195,17 +217,35 @@ class PipeliningLayer(base_layer.BaseLayer):
               f'{source} with shape {shape}: {e}') from e
 
   def Executor(self, num_micro_batches, replica=0):
-    """The executor (and validated schedule) for M micro-batches, cached."""
+    """The graph executor (and validated schedule) for M micro-batches, cached.
+
+    FProp always uses it; ComputeLossAndGradients uses it unless
+    executor='threads'. Both kinds run the same schedule.
+    """
     key = (replica, num_micro_batches)
     if key not in self._executors:
-      devices = self._replica_devices[replica]
-      unique = list(dict.fromkeys(devices))
-      sched = schedule_lib.MakeSchedule(self.p.schedule, self.num_cells,
-                                        num_micro_batches,
-                                        [unique.index(d) for d in devices])
       self._executors[key] = executor_lib.PipelineExecutor(
-          self.cells, devices, sched, self.p.remat_policy, name=self.p.name)
+          self.cells, self._replica_devices[replica],
+          self._Schedule(num_micro_batches, replica), self.p.remat_policy,
+          name=self.p.name)
     return self._executors[key]
+
+  def ThreadedExecutor(self, num_micro_batches, replica=0):
+    """The thread-per-device executor for M micro-batches, cached."""
+    key = (replica, num_micro_batches)
+    if key not in self._threaded_executors:
+      self._threaded_executors[key] = threaded_executor.ThreadedPipelineExecutor(
+          self.cells, self._replica_devices[replica],
+          self._Schedule(num_micro_batches, replica), name=self.p.name,
+          serialize_device_ops=self.p.serialize_device_ops)
+    return self._threaded_executors[key]
+
+  def _Schedule(self, num_micro_batches, replica):
+    devices = self._replica_devices[replica]
+    unique = list(dict.fromkeys(devices))
+    return schedule_lib.MakeSchedule(self.p.schedule, self.num_cells,
+                                     num_micro_batches,
+                                     [unique.index(d) for d in devices])
 
   def _Split(self, inputs, targets=None):
     """Splits the batch R ways, then each shard into micro-batches.
@@ -288,6 +328,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     """
     if not self.built:
       self.build(tf.nest.map_structure(lambda t: tuple(t.shape), inputs))
+    if self.p.executor == 'threads':
+      return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
+                                           step, record_times)
     if (self.p.compile_step and tf.executing_eagerly()):
       if self._compiled_step is None:
         self._compiled_step = tf.function(self._ComputeLossAndGradients,
@@ -307,10 +350,18 @@ class PipeliningLayer(base_layer.BaseLayer):
       step = self._NextStep(training)
     collector = base_layer.DeferredStatsCollector() if training else None
     results = []
-    for r, (micro, micro_targets, weights) in enumerate(shards):
-      results.append(self.Executor(len(micro), r).ForwardBackward(
+    if self.p.executor == 'threads':
+      # Every replica's threads start before any is waited for.
+      waits = [self.ThreadedExecutor(len(micro), r).Start(
           micro, micro_targets, weights, batch_size, loss_fn, training,
-          self._Seeds(step, len(micro), r), collector, record_times))
+          self._Seeds(step, len(micro), r), collector, record_times)
+               for r, (micro, micro_targets, weights) in enumerate(shards)]
+      results = [wait() for wait in waits]
+    else:
+      for r, (micro, micro_targets, weights) in enumerate(shards):
+        results.append(self.Executor(len(micro), r).ForwardBackward(
+            micro, micro_targets, weights, batch_size, loss_fn, training,
+            self._Seeds(step, len(micro), r), collector, record_times))
     if collector is not None:
       collector.Apply()
     if len(results) == 1:

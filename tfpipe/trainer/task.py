@@ -18,6 +18,7 @@ from tfpipe import gpipe
 from tfpipe import hyperparams
 from tfpipe.gpipe import executor as executor_lib
 from tfpipe.gpipe import partition as partition_lib
+from tfpipe.gpipe import pipelining_layer
 from tfpipe.gpipe import schedule as schedule_lib
 from tfpipe.trainer import optimizer as optimizer_lib
 
@@ -41,6 +42,10 @@ def PipelineParams():
   p.Define('num_replicas', 1,
            'R data-parallel pipeline replicas (R*K devices, replica-major); '
            'their gradients are summed into the full-batch gradient.')
+  p.Define('executor', 'graph',
+           "graph (the whole step is one tf.function) or threads (one thread "
+           'per device calls a traced function per action, so stages overlap '
+           "on CPUs and gRPC workers; needs remat_policy='always').")
   return p
 
 
@@ -194,6 +199,14 @@ class BaseTask:
     if pp.schedule not in schedule_lib.SCHEDULES:
       raise ValueError(f'{prefix}.pipeline.schedule={pp.schedule!r}; use one of '
                        f'{sorted(schedule_lib.SCHEDULES)} (--schedule).')
+    if pp.executor not in pipelining_layer.EXECUTORS:
+      raise ValueError(f'{prefix}.pipeline.executor={pp.executor!r}; use one '
+                       f'of {list(pipelining_layer.EXECUTORS)} (--executor).')
+    if pp.executor == 'threads' and pp.remat_policy != 'always':
+      raise ValueError(
+          f"{prefix}.pipeline.executor='threads' recomputes every cell in "
+          f"its backward pass; set {prefix}.pipeline.remat_policy='always' "
+          "(--remat_policy=always) or use --executor=graph.")
     if pp.remat_policy not in executor_lib.REMAT_POLICIES:
       raise ValueError(
           f'{prefix}.pipeline.remat_policy={pp.remat_policy!r}; use one of '
@@ -233,7 +246,8 @@ class BaseTask:
         name='pipe', cell_tpl=self.cell_params,
         num_micro_batches=pp.num_micro_batches, devices=self.devices,
         num_replicas=pp.num_replicas,
-        schedule=pp.schedule, remat_policy=pp.remat_policy).Instantiate()
+        schedule=pp.schedule, remat_policy=pp.remat_policy,
+        executor=pp.executor).Instantiate()
     self._BuildPipe()
     tp = p.train
     self.learning_rate_schedule = optimizer_lib.WarmupDecaySchedule(
@@ -243,6 +257,7 @@ class BaseTask:
     # Slots exist before a checkpoint restore, so they are restored too.
     self.optimizer.build(self.pipe.trainable_variables)
     self._train_step = tf.function(self._TrainStep)
+    self._apply_step = tf.function(self._ApplyGradients)
     self._eval_step = tf.function(self._EvalStep)
 
   @property
@@ -261,25 +276,36 @@ class BaseTask:
 
   # ---- steps --------------------------------------------------------------
 
-  def _TrainStep(self, inputs, targets):
-    variables = self.pipe.trainable_variables
-    out = self.pipe.ComputeLossAndGradients(
+  def _ComputeLossAndGradients(self, inputs, targets):
+    return self.pipe.ComputeLossAndGradients(
         inputs, targets, self.model.Loss, training=True,
         step=self.global_step)
+
+  def _ApplyGradients(self, loss, gradients, metrics):
+    variables = self.pipe.trainable_variables
     grads = [tf.zeros_like(v) if g is None else g
-             for g, v in zip(out.gradients, variables)]
+             for g, v in zip(gradients, variables)]
     grads, grad_norm = optimizer_lib.ClipGradients(
         grads, self.p.train.clip_gradient_norm)
     lr = self.learning_rate_schedule(self.optimizer.iterations)
     self.optimizer.apply_gradients(zip(grads, variables))
     self.global_step.assign_add(1)
-    result = {'loss': out.loss, 'grad_norm': grad_norm, 'learning_rate': lr}
-    result.update(out.metrics)
+    result = {'loss': loss, 'grad_norm': grad_norm, 'learning_rate': lr}
+    result.update(metrics)
     return result
+
+  def _TrainStep(self, inputs, targets):
+    out = self._ComputeLossAndGradients(inputs, targets)
+    return self._ApplyGradients(out.loss, out.gradients, out.metrics)
 
   def TrainStep(self, batch):
     """One synchronous optimizer update on (inputs, targets); returns scalars."""
     inputs, targets = batch
+    if self.p.pipeline.executor == 'threads':
+      # The pipelined step runs eagerly from its device threads; only the
+      # update is traced.
+      out = self._ComputeLossAndGradients(inputs, targets)
+      return self._apply_step(out.loss, out.gradients, out.metrics)
     return self._train_step(inputs, targets)
 
   def _EvalStep(self, inputs, targets):

@@ -45,6 +45,8 @@ flags.DEFINE_string('schedule', None, 'Overrides task.pipeline.schedule.')
 flags.DEFINE_string('remat_policy', None,
                     'Overrides task.pipeline.remat_policy.')
 flags.DEFINE_string('balance', None, 'Overrides task.pipeline.balance.')
+flags.DEFINE_string('executor', None, 'Overrides task.pipeline.executor: '
+                    'graph or threads.')
 flags.DEFINE_integer('save_interval_steps', None,
                      'Overrides task.train.save_interval_steps.')
 flags.DEFINE_integer('log_interval_steps', None,
@@ -86,6 +88,7 @@ def BuildParams():
       'task.pipeline.schedule': FLAGS.schedule,
       'task.pipeline.remat_policy': FLAGS.remat_policy,
       'task.pipeline.balance': FLAGS.balance,
+      'task.pipeline.executor': FLAGS.executor,
       'task.train.save_interval_steps': FLAGS.save_interval_steps,
       'task.train.log_interval_steps': FLAGS.log_interval_steps,
       'task.eval.interval_steps': FLAGS.eval_interval_steps,
