@@ -37,8 +37,12 @@ flags.DEFINE_integer('num_micro_batches', 4, 'M of the pipelined runs.')
 flags.DEFINE_integer('batch', 16, 'Global batch size N.')
 flags.DEFINE_integer('seq', 64, 'Sequence length.')
 flags.DEFINE_integer('dim', 128, 'Model dim (hidden 4*dim).')
-flags.DEFINE_integer('max_layers', 16, 'Stop the search here.')
+flags.DEFINE_integer('max_layers', 64, 'Stop the search here.')
 flags.DEFINE_integer('trial_timeout_s', 240, 'Timeout of one trial.')
+flags.DEFINE_enum('executor', 'threads', ['threads', 'graph'],
+                  "Executor of the pipelined trials. 'threads' traces each "
+                  "cell once; 'graph' traces every action of the schedule, "
+                  'which takes minutes for deep models.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
 # Internal: set when this file runs as one trial's subprocess.
 flags.DEFINE_string('trial', None, 'Run one trial: naive or pipeline.')
@@ -74,10 +78,14 @@ def _RunTrial():
   else:
     pipe = bench_lib.MakePipe(layer_params, k, FLAGS.num_micro_batches,
                               devices, 'always',
-                              input_shape=(None,) + tuple(x.shape[1:]))
+                              input_shape=(None,) + tuple(x.shape[1:]),
+                              executor=FLAGS.executor)
     variables = pipe.trainable_variables
-    step = bench_lib.PipeTrainStep(pipe)
-    Step = lambda: step(x)  # pylint: disable=invalid-name
+    if FLAGS.executor == 'threads':
+      Step = bench_lib.PipeTrainStep(pipe, x)  # pylint: disable=invalid-name
+    else:
+      step = bench_lib.PipeTrainStep(pipe)
+      Step = lambda: step(x)  # pylint: disable=invalid-name
   for _ in range(2):
     float(Step())
   info = tf.config.experimental.get_memory_info('CPU:0')
@@ -89,7 +97,8 @@ def _Trial(kind, layers, cells):
   cmd = [sys.executable, '-m', 'benchmarks.largest_model', f'--trial={kind}',
          f'--layers={layers}', f'--trial_cells={cells}',
          f'--num_micro_batches={FLAGS.num_micro_batches}',
-         f'--batch={FLAGS.batch}', f'--seq={FLAGS.seq}', f'--dim={FLAGS.dim}']
+         f'--batch={FLAGS.batch}', f'--seq={FLAGS.seq}', f'--dim={FLAGS.dim}',
+         f'--executor={FLAGS.executor}']
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -182,7 +191,8 @@ def main(argv):
   results, start = [], 1
   for kind, name, cells, limit in configs:
     print(f'{name}: budget {limit / _MIB:.0f} MiB total')
-    layers, res, log, lower_bound = _Search(kind, cells, limit, start)
+    # K cells hold about K times the layers of one: start the search there.
+    layers, res, log, lower_bound = _Search(kind, cells, limit, start * cells)
     start = max(1, layers)
     results.append({'config': name, 'layers': layers,
                     'lower_bound': lower_bound,
@@ -198,7 +208,8 @@ def main(argv):
                  f'{r["params"] / 1e6:.2f}M',
                  (r['peak_bytes'] or 0) / _MIB, growth, paper[r['config']]])
   print(f'\nTransformer dim={FLAGS.dim}, hidden={4 * FLAGS.dim}, '
-        f'seq={FLAGS.seq}, batch={FLAGS.batch}, M={m}; budget '
+        f'seq={FLAGS.seq}, batch={FLAGS.batch}, M={m}, executor='
+        f'{FLAGS.executor}; budget '
         f'{FLAGS.budget_mib:.0f} MiB per device (BFC peak, total over '
         'logical devices compared with K x budget)')
   print(bench_lib.FormatTable(

@@ -108,11 +108,13 @@ def main(argv):
            (w + l * n * c) / _MIB, (w + l * n * c) / _MIB, 1.0]]
   results = [{'config': 'keras', 'peak_bytes': keras_peak,
               'predicted_bytes': w + l * n * c}]
-  configs = [('never', 'gpipe'), ('always', 'gpipe'), ('always', '1f1b')]
-  for remat, sched in configs:
+  configs = [('never', 'gpipe', 'graph'), ('always', 'gpipe', 'graph'),
+             ('always', '1f1b', 'graph'), ('always', 'gpipe', 'threads'),
+             ('always', '1f1b', 'threads')]
+  for remat, sched, executor in configs:
     for m in [int(v) for v in FLAGS.micro_batches]:
       pipe = bench_lib.MakePipe(layer_params, k, m, devices, remat, sched,
-                                input_shape=shape)
+                                input_shape=shape, executor=executor)
       def step(pipe=pipe):
         return pipe.ComputeLossAndGradients(x, None, bench_lib.Loss)
       peak = _MeasureStep(step)
@@ -122,12 +124,14 @@ def main(argv):
         inflight = schedule_lib.MaxInFlight(pipe.Executor(m).schedule)
         low = w + sum(inflight) * (n / m) * b + (l / k) * (n / m) * c
         predicted = low + (min(k, m) - 1) * (l / k) * (n / m) * c
-      name = f'pipe K={k} {sched} remat={remat}'
+      name = f'pipe K={k} {sched} remat={remat}' + (
+          ' threads' if executor == 'threads' else '')
       print(f'  {name} M={m}: {peak / _MIB:.1f} MiB (predicted '
             f'{low / _MIB:.1f} .. {predicted / _MIB:.1f})')
       rows.append([name, m, peak / _MIB, low / _MIB, predicted / _MIB,
                    peak / predicted])
       results.append({'config': name, 'remat': remat, 'schedule': sched,
+                      'executor': executor,
                       'num_micro_batches': m, 'peak_bytes': peak,
                       'predicted_bytes_one_cell': low,
                       'predicted_bytes': predicted})

@@ -3,7 +3,9 @@
 Data flows one way through the modules:
   partition (balance)  ->  microbatch (split/merge)  ->  schedule (actions per
   device, as data)  ->  executor (one tf.function: placement, remat, order,
-  gradient accumulation)  ->  pipelining_layer (the Keras layer users build).
+  gradient accumulation) or threaded_executor (one thread per device calling
+  per-cell traced functions, so stages overlap)  ->  pipelining_layer (the
+  Keras layer users build).
 """
 
 from tfpipe.gpipe.cell import FeatureExtractionLayer

@@ -16,6 +16,14 @@ output is never gathered), and so lets 1F1B bound the activations in flight.
 Placement is decided at construction: cell k and all of its variables are
 created (and, for lazily-built Keras layers, built) under
 `tf.device(devices[k])`, and run there. Only cell outputs cross devices.
+
+Two executors run ComputeLossAndGradients. 'graph' (the default) traces the
+whole step, every action unrolled, as one graph: it works inside any
+tf.function, and Keras' fit, but TensorFlow 2.21 runs one graph's stages one
+after another on CPU devices and gRPC workers. 'threads' calls one traced
+function per action from one Python thread per device, so stages overlap,
+and traces each cell once instead of once per action. Both give the same
+losses, gradients and statistics.
 """
 
 import tensorflow as tf
@@ -237,7 +245,9 @@ class PipeliningLayer(base_layer.BaseLayer):
       self._threaded_executors[key] = threaded_executor.ThreadedPipelineExecutor(
           self.cells, self._replica_devices[replica],
           self._Schedule(num_micro_batches, replica), name=self.p.name,
-          serialize_device_ops=self.p.serialize_device_ops)
+          serialize_device_ops=self.p.serialize_device_ops,
+          concurrent_devices=len(set(d for devices in self._replica_devices
+                                     for d in devices)))
     return self._threaded_executors[key]
 
   def _Schedule(self, num_micro_batches, replica):

@@ -231,7 +231,7 @@ class ThreadedPipelineExecutor:
   """Runs forward+backward along a schedule from one thread per device."""
 
   def __init__(self, cells, cell_devices, schedule, name='pipe',
-               serialize_device_ops=False):
+               serialize_device_ops=False, concurrent_devices=None):
     """Creates the executor and its device threads.
 
     Args:
@@ -243,6 +243,9 @@ class ThreadedPipelineExecutor:
         device's thread (TensorFlow's single-threaded executor) instead of on
         the shared inter-op pool: each device then behaves like an
         accelerator that runs one op at a time.
+      concurrent_devices: how many device threads may call functions at the
+        same time, counting other executors stepped together (replicas);
+        default: this schedule's devices.
     """
     self._cells = cells
     self._cell_devices = cell_devices
@@ -250,7 +253,7 @@ class ThreadedPipelineExecutor:
     self._name = name
     schedule_lib.Validate(schedule)
     if serialize_device_ops:
-      _CheckInterOpThreads(schedule.num_devices, name)
+      _CheckInterOpThreads(concurrent_devices or schedule.num_devices, name)
     self._accumulators = None
     self._functions = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(
