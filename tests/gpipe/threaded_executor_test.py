@@ -211,3 +211,17 @@ def test_serialized_device_ops_run_many_steps_without_starving():
   assert proc.returncode == 0, proc.stderr[-3000:]
   losses = json.loads(proc.stdout.strip().splitlines()[-1])
   np.testing.assert_allclose(losses['threads'], losses['graph'], rtol=1e-6)
+
+
+@pytest.mark.parametrize('executor', ['graph', 'threads'])
+def test_loss_fn_runs_once_per_micro_batch(executor):
+  """loss_fn may update metrics, so the backward must not call it again."""
+  calls = tf.Variable(0, dtype=tf.int32)
+
+  def CountingLoss(out, targets):
+    calls.assign_add(1)
+    return _Loss(out, targets)
+  pipe = _Pipeline(_LayerParams(4), 2, 4, executor=executor)
+  x, y = _Data()
+  pipe.ComputeLossAndGradients(x, y, CountingLoss)
+  assert int(calls.numpy()) == 4

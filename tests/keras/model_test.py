@@ -179,13 +179,43 @@ def testFitReachesThePlainModelsWeights(make, eager):
                              history_plain.history['loss'], rtol=1e-4)
 
 
-def testMetricsEvaluatePredictAndSumReductionMatchPlain():
+def testThreadedExecutorFitsLikeTheGraphExecutor():
+  """executor='threads' gives fit the same losses, metrics and weights."""
+  histories, weights = {}, {}
+  for executor in ('graph', 'threads'):
+    model = _Sequential(seed=5)
+    x, y = _Data(model, n=14, seed=6)
+    pm = tfpipe.keras.pipeline(model, num_partitions=2, num_micro_batches=3,
+                               devices=DEVICES[:2], balance='params',
+                               executor=executor)
+    pm.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse',
+               metrics=['mae'])
+    assert pm.run_eagerly == (executor == 'threads')
+    # 14 examples in batches of 10: the last batch has 4, a second size.
+    histories[executor] = pm.fit(x, y, batch_size=10, epochs=2,
+                                 shuffle=False, verbose=0).history
+    weights[executor] = [w.numpy() for w in model.weights]
+  for name in ('loss', 'mae'):
+    np.testing.assert_allclose(histories['threads'][name],
+                               histories['graph'][name], rtol=1e-5)
+  for a, b in zip(weights['threads'], weights['graph']):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  pm = tfpipe.keras.pipeline(_Sequential(), num_partitions=2,
+                             devices=DEVICES[:2], balance='params',
+                             executor='threads')
+  with pytest.raises(ValueError, match='train_step must run eagerly'):
+    pm.compile(optimizer='sgd', loss='mse', run_eagerly=False)
+
+
+@pytest.mark.parametrize('executor', ['graph', 'threads'])
+def testMetricsEvaluatePredictAndSumReductionMatchPlain(executor):
   plain, piped = _Sequential(seed=3), _Sequential(seed=3)
   x, y = _Data(plain, n=10, seed=4)
   loss = keras.losses.MeanSquaredError(reduction='sum')
   plain.compile(optimizer='sgd', loss=loss, metrics=['mae'], run_eagerly=True)
   pm = tfpipe.keras.pipeline(piped, num_partitions=2, num_micro_batches=4,
-                             devices=DEVICES[:2], balance='params')
+                             devices=DEVICES[:2], balance='params',
+                             executor=executor)
   pm.compile(optimizer='sgd', loss=keras.losses.MeanSquaredError(
       reduction='sum'), metrics=['mae'], run_eagerly=True)
   want = plain.fit(x, y, batch_size=10, epochs=1, verbose=0).history

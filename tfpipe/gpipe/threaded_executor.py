@@ -142,7 +142,10 @@ class _RecordingCollector(base_layer.DeferredStatsCollector):
 class _CellFunctions:
   """Cell k's forward and backward as tf.functions, traced once per signature.
 
-  The last cell's functions include the loss, so they are built per loss_fn.
+  The last cell's forward also applies the loss and returns the loss's
+  gradient with respect to the cell's output, so its backward is the same as
+  every other cell's and loss_fn runs once per micro-batch (it may update
+  metrics). Those functions are built per loss_fn.
   """
 
   def __init__(self, cell, device, is_first, training, accumulators,
@@ -156,12 +159,9 @@ class _CellFunctions:
     self._loss_fn = loss_fn
     self.stat_layers = []
     options = dict(autograph=False, reduce_retracing=True)
-    if loss_fn is None:
-      self.forward = tf.function(self._Forward, **options)
-      self.backward = tf.function(self._Backward, **options)
-    else:
-      self.forward = tf.function(self._ForwardLoss, **options)
-      self.backward = tf.function(self._BackwardLoss, **options)
+    self.forward = tf.function(
+        self._Forward if loss_fn is None else self._ForwardLoss, **options)
+    self.backward = tf.function(self._Backward, **options)
 
   def _Call(self, x, seed, collector, recomputing):
     with tf.device(self._device), base_layer.StepSeed(seed), (
@@ -188,14 +188,25 @@ class _CellFunctions:
       return y, self._Stats(collector)
 
   def _ForwardLoss(self, x, targets, seed, weight, batch_size):
+    """Returns (weighted loss, metrics, stats, d loss / d output)."""
     with _TRACE_LOCK, tf.device(self._device):
       collector = _RecordingCollector()
       y = self._Call(x, seed, collector, recomputing=False)
-      loss, metrics = self._Loss(y, targets, weight, batch_size)
-      return loss, metrics, self._Stats(collector)
+      y_float, rebuild = executor_lib.SplitFloat(y)
+      with tf.GradientTape() as tape:
+        tape.watch(y_float)
+        loss, metrics = self._Loss(rebuild(y_float), targets, weight,
+                                   batch_size)
+      output_gradients = tape.gradient(
+          loss, y_float, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      return loss, metrics, self._Stats(collector), output_gradients
 
-  def _Gradients(self, x, seed, first, target_fn, output_gradients):
+  def _Backward(self, x, output_gradients, seed, first):
     """Recomputes the cell, adds its variables' gradients; returns d(input)."""
+    with _TRACE_LOCK, tf.device(self._device):
+      return self._Gradients(x, list(output_gradients), seed, first)
+
+  def _Gradients(self, x, output_gradients, seed, first):
     x_float, rebuild = executor_lib.SplitFloat(x)
     if self._is_first:
       x_float = []
@@ -204,7 +215,7 @@ class _CellFunctions:
       tape.watch(x_float)
       y = self._Call(rebuild(x_float) if x_float else x, seed,
                      executor_lib.DiscardingCollector(), recomputing=True)
-      target = target_fn(y)
+      target = executor_lib.SplitFloat(y)[0]
     grads = tape.gradient(target, list(x_float) + variables,
                           output_gradients=output_gradients,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -213,18 +224,6 @@ class _CellFunctions:
                for i, g in enumerate(grads[len(x_float):])]
     with tf.control_dependencies(updates):
       return [tf.identity(g) for g in grads[:len(x_float)]]
-
-  def _Backward(self, x, output_gradients, seed, first):
-    with _TRACE_LOCK, tf.device(self._device):
-      return self._Gradients(
-          x, seed, first, lambda y: executor_lib.SplitFloat(y)[0],
-          list(output_gradients))
-
-  def _BackwardLoss(self, x, targets, seed, weight, batch_size, first):
-    with _TRACE_LOCK, tf.device(self._device):
-      return self._Gradients(
-          x, seed, first,
-          lambda y: self._Loss(y, targets, weight, batch_size)[0], None)
 
 
 class ThreadedPipelineExecutor:
@@ -317,9 +316,11 @@ class ThreadedPipelineExecutor:
 
     last = sched.num_cells - 1
 
+    # The last cell's d loss / d output per micro-batch, from F to B.
+    loss_gradients = {}
+
     def RunDevice(device, actions):
-      # Per micro-batch arguments copied to this device once: (x, seed) or,
-      # on the last cell, (x, targets, seed, weight, batch_size).
+      # Per micro-batch (x, seed), copied to this device once at F for B.
       saved_args = {}
       cells_done = set()
       try:
@@ -338,20 +339,18 @@ class ThreadedPipelineExecutor:
       if kind == schedule_lib.FORWARD:
         x = micro_inputs[m] if k == 0 else mailbox.Take(('y', m, k - 1))
         start = time.time()
-        if k == last:
-          args = _OnDevice((x, None if micro_targets is None else
-                            micro_targets[m], seeds[m], weights[m],
-                            batch_size), device)
-        else:
-          args = _OnDevice((x, seeds[m]), device)
-        saved_args[(m, k)] = args
+        x, seed = _OnDevice((x, seeds[m]), device)
+        saved_args[(m, k)] = (x, seed)
         try:
           if k == last:
-            loss, metrics, stats = fn.forward(*args)
+            loss, metrics, stats, loss_gradients[m] = fn.forward(
+                x, *_OnDevice((None if micro_targets is None else
+                               micro_targets[m], seed, weights[m],
+                               batch_size), device))
             state['loss'].append((m, loss))
             state['metrics'].append((m, metrics))
           else:
-            y, stats = fn.forward(*args)
+            y, stats = fn.forward(x, seed)
             mailbox.Put(('y', m, k), y)
         except executor_lib.CELL_ERRORS as e:
           raise executor_lib.CellError(self._name, self._cells, k, x,
@@ -360,17 +359,15 @@ class ThreadedPipelineExecutor:
           with self._stats_lock:
             state['stats'][(m, k)] = list(zip(fn.stat_layers, stats))
       else:
-        args = saved_args.pop((m, k))
+        x, seed = saved_args.pop((m, k))
         first = k not in cells_done
         cells_done.add(k)
         if k == last:
-          start = time.time()
-          dx = fn.backward(*args, first)
+          dy = loss_gradients.pop(m)
         else:
           dy = _OnDevice(mailbox.Take(('dy', m, k + 1)), device)
-          start = time.time()
-          x, seed = args
-          dx = fn.backward(x, dy, seed, first)
+        start = time.time()
+        dx = fn.backward(x, dy, seed, first)
         if k > 0:
           mailbox.Put(('dy', m, k), dx)
       if record_times:

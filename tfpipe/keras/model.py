@@ -34,7 +34,7 @@ _MEAN_REDUCTIONS = ('sum_over_batch_size', 'mean', 'mean_with_sample_weight')
 
 def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pylint: disable=invalid-name
              balance='time', remat_policy='always', schedule='gpipe',
-             profile_batch_size=8, place_variables=False):
+             profile_batch_size=8, place_variables=False, executor='graph'):
   """Wraps a Sequential or functional Keras model into a pipelined model.
 
   Args:
@@ -51,6 +51,10 @@ def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pyli
     place_variables: move each stage's existing variables onto the stage's
       device (their values are kept). Keras creates variables where the model
       is built; this puts them where the stage runs.
+    executor: 'graph' (train_step is traced as usual) or 'threads' (one
+      thread per device, so stages overlap on CPU; `compile` then sets
+      run_eagerly=True, since the pipeline dispatches its own traced
+      functions).
 
   Returns:
     A `PipelinedModel` sharing `model`'s layers and variables.
@@ -85,7 +89,7 @@ def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pyli
   return PipelinedModel(model, graph, plans, step_costs, balance,
                         num_micro_batches=num_micro_batches, devices=devices,
                         remat_policy=remat_policy, schedule=schedule,
-                        place_variables=place_variables)
+                        place_variables=place_variables, executor=executor)
 
 
 class PipelinedModel(keras.Model):
@@ -93,7 +97,7 @@ class PipelinedModel(keras.Model):
 
   def __init__(self, model, graph, plans, step_costs, balance,
                num_micro_batches, devices, remat_policy, schedule,
-               place_variables=False):
+               place_variables=False, executor='graph'):
     super().__init__(name=f'{model.name}_pipelined')
     # Tracked first, so self.weights lists the model's variables in its order.
     self.source_model = model
@@ -113,8 +117,11 @@ class PipelinedModel(keras.Model):
     self.pipe = pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches,
         devices=devices, remat_policy=remat_policy, schedule=schedule,
-        compile_step=False).Instantiate()
+        compile_step=False, executor=executor).Instantiate()
     self._compiled_step = None
+    # executor='threads' traces the last stage once per loss_fn object, so
+    # the loss_fn for each batch size is kept.
+    self._loss_fns = {}
     if place_variables:
       PlaceVariables(self.pipe)
     self.output_names = list(getattr(model, 'output_names', []) or [])
@@ -194,10 +201,28 @@ class PipelinedModel(keras.Model):
       loss = loss + tf.cast(penalty, loss.dtype)
     return loss, grads
 
+  def compile(self, *args, **kwargs):  # pylint: disable=arguments-differ
+    """keras.Model.compile; with executor='threads', run_eagerly is forced on."""
+    if self.pipe.p.executor == 'threads':
+      if kwargs.get('run_eagerly') is False:
+        raise ValueError(
+            f"{self.name}: executor='threads' dispatches its own traced "
+            'functions from device threads, so train_step must run eagerly; '
+            "drop run_eagerly=False or pipeline with executor='graph'.")
+      kwargs['run_eagerly'] = True
+    return super().compile(*args, **kwargs)
+
   def _PipelineStep(self, feed, targets, training):
     batch_size = tf.shape(keras.tree.flatten(feed)[0])[0]
+    if self.pipe.p.executor == 'threads':
+      size = int(batch_size)
+      if size not in self._loss_fns:
+        self._loss_fns[size] = self._LossFn(size)
+      loss_fn = self._loss_fns[size]
+    else:
+      loss_fn = self._LossFn(batch_size)
     return self.pipe.ComputeLossAndGradients(
-        feed, targets, self._LossFn(batch_size), training=training)
+        feed, targets, loss_fn, training=training)
 
   def train_step(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
