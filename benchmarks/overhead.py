@@ -16,6 +16,9 @@ Configurations (one run, repetitions alternating, medians):
   pipe_k1_m1       tfpipe, 1 cell, 1 micro-batch, no remat.
   pipe_k4_m8       tfpipe, 4 cells on 4 logical CPU devices, M=8, no remat.
   pipe_k4_m8_remat the same with remat_policy='always'.
+  pipe_k4_m8_remat_threads  the same with executor='threads' (one device
+                   thread each, one traced function per action, ops on the
+                   shared thread pool): what Python dispatch costs.
 
     python -m benchmarks.overhead --output_json=/tmp/overhead.json
 """
@@ -98,6 +101,9 @@ def RunModel(kind, devices):
   steps[f'pipe_k{k}_m{m}_remat'] = bench_lib.PipeTrainStep(bench_lib.MakePipe(
       layer_params, k, m, devices, 'always', input_shape=shape))
   fns = {name: (lambda s=s: s(x)) for name, s in steps.items()}
+  fns[f'pipe_k{k}_m{m}_remat_threads'] = bench_lib.PipeTrainStep(
+      bench_lib.MakePipe(layer_params, k, m, devices, 'always',
+                         input_shape=shape, executor='threads'), x)
   samples = bench_lib.TimeAlternating(fns, FLAGS.reps, log=print)
   med = {name: bench_lib.Median(v) for name, v in samples.items()}
   base = med['keras']
@@ -106,7 +112,8 @@ def RunModel(kind, devices):
   reference = {'keras': base, 'pipe_k1_m1': base,
                f'floor_m{m}': base, f'floor_m{m}_remat': f'floor_m{m}',
                f'pipe_k{k}_m{m}': floor,
-               f'pipe_k{k}_m{m}_remat': floor_remat}
+               f'pipe_k{k}_m{m}_remat': floor_remat,
+               f'pipe_k{k}_m{m}_remat_threads': floor_remat}
   rows = []
   for name, t in med.items():
     ref = reference[name]
