@@ -173,6 +173,21 @@ def test_error_serialize_device_ops_with_too_few_inter_op_threads():
     pipe.ComputeLossAndGradients(x, y, _Loss)
 
 
+def test_error_serialize_device_ops_with_replicas_names_the_variable(
+    monkeypatch):
+  monkeypatch.setattr(threaded_executor, 'InterOpThreadsNeeded', lambda n: 1)
+  cells = gpipe.PartitionSequentialLayers(_LayerParams(2), 2,
+                                          balance='params')
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=2, num_replicas=2,
+      devices=['/CPU:0', '/CPU:1', '/CPU:2', '/CPU:3'], executor='threads',
+      serialize_device_ops=True).Instantiate()
+  x, y = _Data()
+  with pytest.raises(ValueError, match=r'cell 0 \(cell0\) runs on /CPU:2 and '
+                     r'its variable .*fc0.* lives on .*CPU:0'):
+    pipe.ComputeLossAndGradients(x, y, _Loss)
+
+
 _SERIALIZED_PROBE = r'''
 import json, os, sys
 os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'

@@ -50,9 +50,9 @@ _TRACE_LOCK = threading.RLock()
 def _OnDevice(structure, device):
   """Copies a call's tensor arguments to `device` before the call.
 
-  Then each cell function is a single-device function: cheaper to dispatch,
-  and runnable by the single-threaded executor, whose partitions of a
-  multi-device function would wait on each other's sends.
+  Then each cell function runs on one device only (its variables are there
+  too): cheaper to dispatch, and runnable by the single-threaded executor,
+  which hangs on functions that span devices.
   """
   canonical = tf.DeviceSpec.from_string(device)
 
@@ -95,6 +95,30 @@ def _CheckInterOpThreads(num_devices, name):
         'Call tf.config.threading.set_inter_op_parallelism_threads('
         f'{needed}) before TensorFlow starts, or set '
         'serialize_device_ops=False.')
+
+
+def _SameDevice(a, b):
+  a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+  return (a.device_type, a.device_index, a.task or 0, a.job or 'localhost') == (
+      b.device_type, b.device_index, b.task or 0, b.job or 'localhost')
+
+
+def _CheckVariablesOnCellDevices(cells, cell_devices, name):
+  """The single-threaded executor hangs on functions that span devices.
+
+  A cell whose variables live elsewhere (a data-parallel replica reading
+  replica 0's variables, or Keras variables created before placement) makes
+  its functions multi-device, whose parts would wait on each other forever.
+  """
+  for k, (cell, device) in enumerate(zip(cells, cell_devices)):
+    for v in cell.variables:
+      if not _SameDevice(v.value.device, device):
+        raise ValueError(
+            f'{name}: serialize_device_ops=True needs every variable of a '
+            f'cell on that cell\'s device, but cell {k} ({cell.name}) runs on '
+            f'{device} and its variable {v.path} lives on {v.value.device} '
+            '(num_replicas > 1 reads replica 0\'s variables). Use '
+            'num_replicas=1, or serialize_device_ops=False.')
 
 
 class _Aborted(Exception):
@@ -253,6 +277,7 @@ class ThreadedPipelineExecutor:
     schedule_lib.Validate(schedule)
     if serialize_device_ops:
       _CheckInterOpThreads(concurrent_devices or schedule.num_devices, name)
+      _CheckVariablesOnCellDevices(cells, cell_devices, name)
     self._accumulators = None
     self._functions = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(
