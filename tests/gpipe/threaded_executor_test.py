@@ -56,15 +56,19 @@ def test_dropout_masks_equal_the_graph_executors():
   assert not np.allclose(other.loss, out.loss)
 
 
-def test_batch_norm_statistics_equal_the_graph_executors():
+@pytest.mark.parametrize('traced', [False, True])
+def test_batch_norm_statistics_equal_the_graph_executors(traced):
   layer_params = plt_test._BatchNormParams()  # pylint: disable=protected-access
   x, y = _Data()
   x = x * 3.0 + 1.0
   graph = _Pipeline(layer_params, 2, 4)
   threads = _Pipeline(layer_params, 2, 4, executor='threads', schedule='1f1b')
+  step = lambda x, y: threads.ComputeLossAndGradients(x, y, _Loss)
+  if traced:
+    step = tf.function(step)
   for _ in range(2):
     ref = graph.ComputeLossAndGradients(x, y, _Loss)
-    out = threads.ComputeLossAndGradients(x, y, _Loss)
+    out = step(x, y)
   _AssertAllClose(out.gradients, ref.gradients)
   graph_stats = [v.numpy() for v in graph.non_trainable_variables
                  if 'moving' in v.path]
@@ -151,15 +155,41 @@ def test_error_unknown_executor():
     _Pipeline(_LayerParams(2), 2, 2, executor='thread')
 
 
-def test_error_inside_tf_function():
-  pipe = _Pipeline(_LayerParams(2), 2, 2, executor='threads')
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+def test_inside_tf_function_emits_the_cell_functions_into_one_graph(schedule):
+  """No threads inside a trace, but the same results and O(K) functions."""
+  layer_params = _LayerParams(6, keep_prob=0.5)
+  x, y = _Data()
+  ref = _Pipeline(layer_params, 3, 5, schedule=schedule
+                  ).ComputeLossAndGradients(x, y, _Loss, step=2)
+  pipe = _Pipeline(layer_params, 3, 5, schedule=schedule, executor='threads')
+
+  @tf.function
+  def Step(x, y):
+    out = pipe.ComputeLossAndGradients(x, y, _Loss, step=2)
+    return out.loss, out.gradients
+  for _ in range(2):
+    loss, grads = Step(x, y)
+    np.testing.assert_allclose(loss, ref.loss, rtol=1e-6)
+    _AssertAllClose(grads, ref.gradients)
+  eager = pipe.ComputeLossAndGradients(x, y, _Loss, step=2)
+  np.testing.assert_allclose(eager.loss, ref.loss, rtol=1e-6)
+  # One forward and one backward function per cell, whatever M is.
+  assert len(pipe.ThreadedExecutor(5)._functions) == 3  # pylint: disable=protected-access
+
+
+def test_recorded_times_inside_tf_function():
+  pipe = _Pipeline(_LayerParams(4), 2, 3, executor='threads')
   x, y = _Data()
 
   @tf.function
   def Step(x, y):
-    return pipe.ComputeLossAndGradients(x, y, _Loss).loss
-  with pytest.raises(RuntimeError, match='must be called eagerly'):
-    Step(x, y)
+    return pipe.ComputeLossAndGradients(x, y, _Loss,
+                                        record_times=True).action_times
+  times = Step(x, y)
+  tl = timeline.FromActionTimes(pipe.ThreadedExecutor(3).schedule, times)
+  assert len(tl.start_times) == 12
+  assert not timeline.DependencyViolations(tl, tolerance=1e-4)
 
 
 def test_error_serialize_device_ops_with_too_few_inter_op_threads():

@@ -86,7 +86,7 @@ def SplitFloat(structure):
   return [leaves[i] for i in float_index], Rebuild
 
 
-def _OrderAfter(previous):
+def OrderAfter(previous):
   """Control dependency on the previous action of a device (graph mode only)."""
   if not previous or tf.executing_eagerly():
     return contextlib.nullcontext()
@@ -95,9 +95,9 @@ def _OrderAfter(previous):
       for t in previous if t is not None and not isinstance(t, tf.Variable)])
 
 
-def _Timestamp(after, device):
+def Timestamp(after, device):
   """A tf.timestamp() that runs after `after` on `device`."""
-  with tf.device(device), _OrderAfter(after):
+  with tf.device(device), OrderAfter(after):
     return tf.timestamp()
 
 
@@ -218,7 +218,7 @@ class PipelineExecutor:
       _, m, k = action
       d = self._schedule.device_of_cell[k]
       x = micro_inputs[m] if k == 0 else outputs.pop((m, k - 1))
-      with tf.device(self._cell_devices[k]), _OrderAfter(
+      with tf.device(self._cell_devices[k]), OrderAfter(
           last_on_device.get(d)):
         y = self._RunCell(k, x, training, seeds[m],
                           self.UsesRemat(m, training), collector)
@@ -267,10 +267,10 @@ class PipelineExecutor:
           inputs = tapes[(m, k)][2]
           if k != last_cell:
             inputs = list(inputs) + list(input_grads[(m, k + 1)])
-        start = _Timestamp(list(last_on_device.get(d, [])) +
+        start = Timestamp(list(last_on_device.get(d, [])) +
                            tf.nest.flatten(inputs), self._cell_devices[k])
         last_on_device[d] = [start]
-      with tf.device(self._cell_devices[k]), _OrderAfter(
+      with tf.device(self._cell_devices[k]), OrderAfter(
           last_on_device.get(d)):
         if kind == schedule_lib.FORWARD:
           x = micro_inputs[m] if k == 0 else outputs.pop((m, k - 1))
@@ -316,7 +316,7 @@ class PipelineExecutor:
           last_on_device[d] = [g for g in grads[:len(x_float)]
                                if g is not None] + updates
       if record_times:
-        end = _Timestamp(last_on_device[d], self._cell_devices[k])
+        end = Timestamp(last_on_device[d], self._cell_devices[k])
         action_times[action] = (start, end)
         last_on_device[d] = [end]
     gradients = self._accumulators.Read()

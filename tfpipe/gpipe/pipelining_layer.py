@@ -22,7 +22,8 @@ whole step, every action unrolled, as one graph: it works inside any
 tf.function, and Keras' fit, but TensorFlow 2.21 runs one graph's stages one
 after another on CPU devices and gRPC workers. 'threads' calls one traced
 function per action from one Python thread per device, so stages overlap,
-and traces each cell once instead of once per action. Both give the same
+and traces each cell once instead of once per action (inside a tf.function
+it emits those same functions into the one graph). Both give the same
 losses, gradients and statistics.
 """
 
@@ -116,9 +117,10 @@ class PipeliningLayer(base_layer.BaseLayer):
              'tf.function when it is called eagerly (graph executor only).')
     p.Define('executor', 'graph', "How ComputeLossAndGradients runs: 'graph' "
              "traces the whole step as one graph; 'threads' calls one traced "
-             'function per action from one thread per device, so stages '
-             'overlap on runtimes that run one graph serially (CPU, gRPC); it '
-             "needs eager calls and remat_policy='always'.")
+             'function per action from one thread per device when called '
+             'eagerly, so stages overlap on runtimes that run one graph '
+             'serially (CPU, gRPC), and traces each cell once; it needs '
+             "remat_policy='always'.")
     p.Define('serialize_device_ops', False, "With executor='threads': each "
              "device's thread runs its ops one at a time (TensorFlow's "
              'single-threaded executor), as an accelerator does, instead of '

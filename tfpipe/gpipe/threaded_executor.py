@@ -18,8 +18,10 @@ than once per action, so tracing costs O(K) instead of O(K*M).
              gradient for the thread of cell k-1.
 
 A function cannot hand its tape to a later call, so every backward recomputes:
-this executor requires remat_policy='always' (GPipe's default). It also needs
-eager execution, since it runs the schedule from Python threads.
+this executor requires remat_policy='always' (GPipe's default). Called inside
+a tf.function there are no threads to run: the same cell functions are then
+emitted into the one graph in the schedule's order, which keeps tracing O(K)
+but leaves overlap to the runtime, as the graph executor does.
 
 Random ops see the same per-(step, micro-batch) seed as in the graph executor,
 so both executors give the same dropout masks. Deferred statistics (batch norm)
@@ -182,7 +184,11 @@ class _CellFunctions:
     self._offset = variable_offset
     self._loss_fn = loss_fn
     self.stat_layers = []
-    options = dict(autograph=False, reduce_retracing=True)
+    # _noinline: inside an outer tf.function the calls stay calls, so the
+    # outer graph holds K*M call ops rather than K*M inlined copies of the
+    # cells for Grappler to optimize.
+    options = dict(autograph=False, reduce_retracing=True,
+                   experimental_attributes={'_noinline': True})
     self.forward = tf.function(
         self._Forward if loss_fn is None else self._ForwardLoss, **options)
     self.backward = tf.function(self._Backward, **options)
@@ -247,7 +253,9 @@ class _CellFunctions:
                                       executor_lib.AsDense(g), first)
                for i, g in enumerate(grads[len(x_float):])]
     with tf.control_dependencies(updates):
-      return [tf.identity(g) for g in grads[:len(x_float)]]
+      # `done` lets a traced step order the device's next action after this
+      # one even when there is no input gradient (cell 0).
+      return [tf.identity(g) for g in grads[:len(x_float)]], tf.constant(True)
 
 
 class ThreadedPipelineExecutor:
@@ -323,12 +331,6 @@ class ThreadedPipelineExecutor:
     Starting several executors (one per replica) before waiting lets the
     replicas run at the same time.
     """
-    if not tf.executing_eagerly():
-      raise RuntimeError(
-          f"{self._name}: executor='threads' runs the schedule from Python "
-          'threads and must be called eagerly, not inside a tf.function. Call '
-          "ComputeLossAndGradients eagerly, or use executor='graph' to trace "
-          'the whole step.')
     sched = self._schedule
     if self._accumulators is None:
       self._accumulators = executor_lib.GradientAccumulators(
@@ -336,6 +338,11 @@ class ThreadedPipelineExecutor:
     functions = [self._Functions(k, training, loss_fn)
                  for k in range(sched.num_cells)]
     batch_size = tf.cast(batch_size, tf.float32)
+    if not tf.executing_eagerly():
+      result = self._EmitInGraph(functions, micro_inputs, micro_targets,
+                                 weights, batch_size, seeds, collector,
+                                 record_times)
+      return lambda: result
     mailbox = _Mailbox()
     state = {'loss': [], 'metrics': [], 'stats': {}, 'times': {}}
 
@@ -392,7 +399,7 @@ class ThreadedPipelineExecutor:
         else:
           dy = _OnDevice(mailbox.Take(('dy', m, k + 1)), device)
         start = time.time()
-        dx = fn.backward(x, dy, seed, first)
+        dx, _ = fn.backward(x, dy, seed, first)
         if k > 0:
           mailbox.Put(('dy', m, k), dx)
       if record_times:
@@ -430,6 +437,89 @@ class ThreadedPipelineExecutor:
       times = dict(state['times']) if record_times else None
       return executor_lib.LossAndGradients(loss, gradients, metrics, times)
     return Wait
+
+
+  def _EmitInGraph(self, functions, micro_inputs, micro_targets, weights,
+                   batch_size, seeds, collector, record_times):
+    """Inside a tf.function: the same cell functions, called in one graph.
+
+    There are no threads to run; the actions are emitted in the schedule's
+    global order, each device's chained by control dependencies as in the
+    graph executor. The runtime then decides what overlaps. Each cell is
+    still traced once, so tracing stays O(K) rather than O(K*M).
+    """
+    sched = self._schedule
+    last = sched.num_cells - 1
+    outputs, input_grads, loss_gradients, saved = {}, {}, {}, {}
+    last_on_device, stats, times = {}, {}, {}
+    losses, metric_list = [], []
+    cells_done = set()
+    for action in schedule_lib.Validate(sched):
+      kind, m, k = action
+      d = sched.device_of_cell[k]
+      device = self._cell_devices[k]
+      fn = functions[k]
+      if record_times:
+        if kind == schedule_lib.FORWARD:
+          inputs = micro_inputs[m] if k == 0 else outputs[(m, k - 1)]
+        else:
+          inputs = (loss_gradients[m] if k == last else
+                    input_grads[(m, k + 1)])
+        start = executor_lib.Timestamp(
+            list(last_on_device.get(d, [])) + [
+                t for t in tf.nest.flatten(inputs) if t is not None], device)
+        last_on_device[d] = [start]
+      with tf.device(device), executor_lib.OrderAfter(last_on_device.get(d)):
+        if kind == schedule_lib.FORWARD:
+          x = micro_inputs[m] if k == 0 else outputs.pop((m, k - 1))
+          saved[(m, k)] = x
+          try:
+            if k == last:
+              loss, metrics, cell_stats, loss_gradients[m] = fn.forward(
+                  x, None if micro_targets is None else micro_targets[m],
+                  seeds[m], weights[m], batch_size)
+              losses.append(loss)
+              metric_list.append(metrics)
+              done = [loss]
+            else:
+              y, cell_stats = fn.forward(x, seeds[m])
+              outputs[(m, k)] = y
+              done = [t for t in tf.nest.flatten(y) if t is not None]
+          except executor_lib.CELL_ERRORS as e:
+            raise executor_lib.CellError(self._name, self._cells, k, x,
+                                         e) from e
+          if collector is not None and cell_stats:
+            stats[(m, k)] = list(zip(fn.stat_layers, cell_stats))
+        else:
+          dy = (loss_gradients.pop(m) if k == last else
+                input_grads.pop((m, k + 1)))
+          first = k not in cells_done
+          cells_done.add(k)
+          dx, finished = fn.backward(saved.pop((m, k)), dy, seeds[m], first)
+          if k > 0:
+            input_grads[(m, k)] = dx
+          done = list(dx) + [finished]
+      last_on_device[d] = done
+      if record_times:
+        end = executor_lib.Timestamp(done, device)
+        times[action] = (start, end)
+        last_on_device[d] = [end]
+    for key in sorted(stats):
+      for layer, (count, cell_stats) in stats[key]:
+        collector.Add(layer, cell_stats, count)
+    with tf.device(self._cell_devices[-1]):
+      loss = tf.add_n(losses)
+      metrics = {}
+      for values in metric_list:
+        for name, value in values.items():
+          metrics[name] = value if name not in metrics else (
+              metrics[name] + value)
+    # Read after every backward: the reads wait on the last accumulations.
+    with tf.control_dependencies([t for ts in last_on_device.values()
+                                  for t in ts]):
+      gradients = self._accumulators.Read()
+    return executor_lib.LossAndGradients(
+        loss, gradients, metrics, times if record_times else None)
 
 
 def _First(pair):
