@@ -305,8 +305,8 @@ class ThreadedPipelineExecutor:
     if last and key not in self._functions:
       # Keep one loss_fn's functions: a caller that passes a new closure each
       # step retraces the last cell each step, but does not leak functions.
-      for old in [key for key in self._functions if key[0] == k]:
-        del self._functions[old]
+      for stale in [other for other in self._functions if other[0] == k]:
+        del self._functions[stale]
     if key not in self._functions:
       offset = sum(len(c.trainable_variables) for c in self._cells[:k])
       self._functions[key] = _CellFunctions(
@@ -316,10 +316,12 @@ class ThreadedPipelineExecutor:
 
   def ForwardBackward(self, micro_inputs, micro_targets, weights, batch_size,
                       loss_fn, training, seeds, collector, record_times=False):
-    """Same contract as `PipelineExecutor.ForwardBackward`, run eagerly.
+    """Same contract as `PipelineExecutor.ForwardBackward`.
 
-    With `record_times`, each action's (start, end) is host time around its
-    function call; on GPUs a call can return before its kernels finish.
+    Eagerly it runs on the device threads; inside a tf.function it emits the
+    cell functions into the graph. With `record_times`, an eager action's
+    (start, end) is host time around its function call (on GPUs a call can
+    return before its kernels finish); a traced one's are tf.timestamp ops.
     """
     return self.Start(micro_inputs, micro_targets, weights, batch_size,
                       loss_fn, training, seeds, collector, record_times)()
