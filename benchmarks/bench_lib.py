@@ -75,14 +75,16 @@ def Sgd(variables, gradients, lr=1e-3):
 
 
 def MakePipe(layer_params, num_cells, num_micro_batches, devices, remat,
-             schedule='gpipe', input_shape=None, executor='graph'):
+             schedule='gpipe', input_shape=None, executor='graph',
+             **pipe_params):
+  """A PipeliningLayer over the first num_cells devices; extra params as given."""
   cells = gpipe.PartitionSequentialLayers(
       layer_params, num_cells, balance='flops' if input_shape else 'params',
       input_shape=input_shape)
   p = gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches,
       devices=list(devices[:num_cells]), remat_policy=remat,
-      schedule=schedule, executor=executor)
+      schedule=schedule, executor=executor, **pipe_params)
   return p.Instantiate()
 
 

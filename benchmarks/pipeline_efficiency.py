@@ -201,15 +201,20 @@ def _MeasureThreads():
   devices = bench_lib.SplitCpu(k)
   cells = gpipe.PartitionSequentialLayers(_LayerParams(), k, balance='params')
   x = tf.random.stateless_normal([FLAGS.batch, FLAGS.dim], seed=[1, 2])
+
+  def ThreadsPipe(m, devs):
+    # Every cell of the K-cell model, round-robin over `devs`.
+    return gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=m, devices=devs,
+        round_robin_placement=True, remat_policy='always',
+        schedule=FLAGS.schedule, executor='threads',
+        serialize_device_ops=True).Instantiate()
+
   pipes, steps = {}, {}
   for m in [int(v) for v in FLAGS.micro_batches]:
     for label, devs in ((f'K={k} M={m}', devices[:k]),
                         (f'1 device M={m}', devices[:1])):
-      pipe = gpipe.PipeliningLayer.Params().Set(
-          name='pipe', cell_tpl=cells, num_micro_batches=m, devices=devs,
-          round_robin_placement=True, remat_policy='always',
-          schedule=FLAGS.schedule, executor='threads',
-          serialize_device_ops=True).Instantiate()
+      pipe = ThreadsPipe(m, devs)
       pipes[label] = pipe
       steps[label] = bench_lib.PipeTrainStep(pipe, x)
   # The machine's own ceiling: K independent one-device copies of the model
@@ -217,14 +222,8 @@ def _MeasureThreads():
   # slowdown against one copy alone is contention for cores, caches and
   # memory bandwidth, which no schedule can remove.
   last_m = max(int(v) for v in FLAGS.micro_batches)
-  copies = []
-  for d in devices[:k]:
-    copy_cells = gpipe.PartitionSequentialLayers(_LayerParams(), k,
-                                                 balance='params')
-    copies.append(bench_lib.PipeTrainStep(gpipe.PipeliningLayer.Params().Set(
-        name='copy', cell_tpl=copy_cells, num_micro_batches=last_m,
-        devices=[d], round_robin_placement=True, schedule=FLAGS.schedule,
-        executor='threads', serialize_device_ops=True).Instantiate(), x))
+  copies = [bench_lib.PipeTrainStep(ThreadsPipe(last_m, [d]), x)
+            for d in devices[:k]]
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=k)
   steps[f'{k} copies together M={last_m}'] = lambda: [
       f.result() for f in [pool.submit(c) for c in copies]]

@@ -53,13 +53,11 @@ def main(argv):
   layer_params, x = bench_lib.MakeModel('transformer', FLAGS.num_layers,
                                         FLAGS.batch, seq=FLAGS.seq,
                                         dim=FLAGS.dim)
-  cells = bench_lib.gpipe.PartitionSequentialLayers(
-      layer_params, k, balance='flops', input_shape=(None,) + tuple(
-          x.shape[1:]))
-  pipe = bench_lib.gpipe.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=cells, num_micro_batches=m,
-      devices=devices[:k], remat_policy=FLAGS.remat, schedule=FLAGS.schedule,
-      executor=FLAGS.executor, serialize_device_ops=threads).Instantiate()
+  pipe = bench_lib.MakePipe(layer_params, k, m, devices, FLAGS.remat,
+                            FLAGS.schedule,
+                            input_shape=(None,) + tuple(x.shape[1:]),
+                            executor=FLAGS.executor,
+                            serialize_device_ops=threads)
   tl = timeline.RecordStep(pipe, x, None, bench_lib.Loss,
                            warmup_steps=FLAGS.warmup_steps)
   print(f'Transformer L={FLAGS.num_layers}, batch {FLAGS.batch}x{FLAGS.seq}x'

@@ -424,22 +424,12 @@ class ThreadedPipelineExecutor:
           errors.append(e)
       if errors:
         raise errors[0]
-      for key in sorted(state['stats']):
-        for layer, (count, stats) in state['stats'][key]:
-          collector.Add(layer, stats, count)
-      with tf.device(self._cell_devices[-1]):
-        losses = [loss for _, loss in sorted(state['loss'], key=_First)]
-        loss = tf.add_n(losses)
-        metrics = {}
-        for _, values in sorted(state['metrics'], key=_First):
-          for name, value in values.items():
-            metrics[name] = value if name not in metrics else (
-                metrics[name] + value)
-      gradients = self._accumulators.Read()
-      times = dict(state['times']) if record_times else None
-      return executor_lib.LossAndGradients(loss, gradients, metrics, times)
+      return self._Result(
+          collector, state['stats'],
+          [loss for _, loss in sorted(state['loss'], key=_First)],
+          [values for _, values in sorted(state['metrics'], key=_First)],
+          dict(state['times']) if record_times else None)
     return Wait
-
 
   def _EmitInGraph(self, functions, micro_inputs, micro_targets, weights,
                    batch_size, seeds, collector, record_times):
@@ -506,6 +496,23 @@ class ThreadedPipelineExecutor:
         end = executor_lib.Timestamp(done, device)
         times[action] = (start, end)
         last_on_device[d] = [end]
+    # Read after every backward: the reads wait on the last accumulations.
+    with tf.control_dependencies([t for ts in last_on_device.values()
+                                  for t in ts]):
+      return self._Result(collector, stats, losses, metric_list,
+                          times if record_times else None)
+
+  def _Result(self, collector, stats, losses, metric_list, times):
+    """Hands over deferred statistics and sums the step's results.
+
+    Args:
+      collector: the step's DeferredStatsCollector (None outside training).
+      stats: {(micro-batch, cell): [(layer, (count, stats))]}; added in key
+        order so the applied update does not depend on timing.
+      losses: each micro-batch's weighted loss, in micro-batch order.
+      metric_list: each micro-batch's weighted metrics, in the same order.
+      times: {Action: (start, end)} or None.
+    """
     for key in sorted(stats):
       for layer, (count, cell_stats) in stats[key]:
         collector.Add(layer, cell_stats, count)
@@ -516,13 +523,8 @@ class ThreadedPipelineExecutor:
         for name, value in values.items():
           metrics[name] = value if name not in metrics else (
               metrics[name] + value)
-    # Read after every backward: the reads wait on the last accumulations.
-    with tf.control_dependencies([t for ts in last_on_device.values()
-                                  for t in ts]):
-      gradients = self._accumulators.Read()
     return executor_lib.LossAndGradients(
-        loss, gradients, metrics, times if record_times else None)
-
+        loss, self._accumulators.Read(), metrics, times)
 
 def _First(pair):
   return pair[0]
