@@ -14,6 +14,11 @@ Configurations (one run, repetitions alternating, medians):
   floor_m8         the same, as 8 sequential micro-batches, gradients summed.
   floor_m8_remat   the same with tf.recompute_grad around the model.
   pipe_k1_m1       tfpipe, 1 cell, 1 micro-batch, no remat.
+  pipe_k1_m1_remat the same with remat_policy='always': the last cell's
+                   forward and backward are one call, so nothing is
+                   recomputed (target: at most 1.35x keras).
+  pipe_k4_m1_remat 4 cells, 1 micro-batch, remat: cells 0-2 recompute their
+                   forward once (one extra forward: about 1.33x at most).
   pipe_k4_m8       tfpipe, 4 cells on 4 logical CPU devices, M=8, no remat.
   pipe_k4_m8_remat the same with remat_policy='always'.
   pipe_k4_m8_remat_threads  the same with executor='threads' (one device
@@ -21,6 +26,16 @@ Configurations (one run, repetitions alternating, medians):
                    shared thread pool): what Python dispatch costs.
 
     python -m benchmarks.overhead --output_json=/tmp/overhead.json
+
+On a GPU (--device=auto picks it when one is visible; --device=cpu keeps
+the CPU), the K devices are logical GPUs: the GPU split into max(4, K),
+each with an even share of its memory (--logical_gpu_memory_mb sets it).
+They have their own allocators and streams but share the GPU's compute, so
+the K=4 rows show what pipelining costs on one GPU, not a speed-up. The
+issue-14 setting on one GPU:
+
+    python -m benchmarks.overhead --device=gpu --models=transformer \
+        --dim=1024 --seq=256 --batch=16 --output_json=/tmp/overhead_gpu.json
 """
 
 from absl import app
@@ -31,7 +46,12 @@ from benchmarks import bench_lib
 tf = bench_lib.tf
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('models', ['transformer', 'conv'], 'Models to benchmark.')
+flags.DEFINE_list('models', ['transformer', 'conv', 'mlp'],
+                  'Models to benchmark.')
+flags.DEFINE_integer('mlp_dim', 1024, "Width of the 'mlp' model's layers.")
+flags.DEFINE_integer('mlp_batch', 2048, "Batch size of the 'mlp' model "
+                     '(8 x Dense 1024 at batch 2048: the remat measurement '
+                     'of REFERENCE.md).')
 flags.DEFINE_integer('num_layers', 8, 'Layers per model.')
 flags.DEFINE_integer('batch', 64, 'Global batch size.')
 flags.DEFINE_integer('seq', 32, 'Transformer sequence length.')
@@ -42,6 +62,7 @@ flags.DEFINE_integer('num_micro_batches', 8, 'M of the pipelined '
                      'configurations and of the floor.')
 flags.DEFINE_integer('reps', 9, 'Timed repetitions per configuration.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
+bench_lib.DefineDeviceFlags()
 
 
 def _KerasModel(layer_params, x):
@@ -84,9 +105,11 @@ def _FloorStep(model, num_micro_batches, remat):
 
 
 def RunModel(kind, devices):
-  layer_params, x = bench_lib.MakeModel(kind, FLAGS.num_layers, FLAGS.batch,
-                                        seq=FLAGS.seq, dim=FLAGS.dim,
-                                        image=FLAGS.image)
+  mlp = kind == 'mlp'
+  layer_params, x = bench_lib.MakeModel(
+      kind, FLAGS.num_layers, FLAGS.mlp_batch if mlp else FLAGS.batch,
+      seq=FLAGS.seq, dim=FLAGS.mlp_dim if mlp else FLAGS.dim,
+      image=FLAGS.image)
   shape = (None,) + tuple(x.shape[1:])
   k, m = FLAGS.num_cells, FLAGS.num_micro_batches
   steps = {}
@@ -96,6 +119,10 @@ def RunModel(kind, devices):
                                           True)
   steps['pipe_k1_m1'] = bench_lib.PipeTrainStep(bench_lib.MakePipe(
       layer_params, 1, 1, devices, 'never', input_shape=shape))
+  steps['pipe_k1_m1_remat'] = bench_lib.PipeTrainStep(bench_lib.MakePipe(
+      layer_params, 1, 1, devices, 'always', input_shape=shape))
+  steps[f'pipe_k{k}_m1_remat'] = bench_lib.PipeTrainStep(bench_lib.MakePipe(
+      layer_params, k, 1, devices, 'always', input_shape=shape))
   steps[f'pipe_k{k}_m{m}'] = bench_lib.PipeTrainStep(bench_lib.MakePipe(
       layer_params, k, m, devices, 'never', input_shape=shape))
   steps[f'pipe_k{k}_m{m}_remat'] = bench_lib.PipeTrainStep(bench_lib.MakePipe(
@@ -109,7 +136,8 @@ def RunModel(kind, devices):
   base = med['keras']
   floor = med[f'floor_m{m}']
   floor_remat = med[f'floor_m{m}_remat']
-  reference = {'keras': base, 'pipe_k1_m1': base,
+  reference = {'keras': base, 'pipe_k1_m1': base, 'pipe_k1_m1_remat': base,
+               f'pipe_k{k}_m1_remat': base,
                f'floor_m{m}': base, f'floor_m{m}_remat': f'floor_m{m}',
                f'pipe_k{k}_m{m}': floor,
                f'pipe_k{k}_m{m}_remat': floor_remat,
@@ -129,13 +157,17 @@ def RunModel(kind, devices):
 
 def main(argv):
   del argv
-  devices = bench_lib.SplitCpu(max(4, FLAGS.num_cells))
+  device_type, devices = bench_lib.LocalDevices(
+      max(4, FLAGS.num_cells), FLAGS.device, FLAGS.logical_gpu_memory_mb)
   results = []
   for kind in FLAGS.models:
     print(f'== {kind} ==')
     res = RunModel(kind, devices)
+    res['device_type'] = device_type
     results.append(res)
     print(f'{kind}: {FLAGS.num_layers} layers, input {res["input_shape"]}, '
+          f'K={FLAGS.num_cells} on '
+          f'{bench_lib.DeviceLabel(device_type, len(devices))}, '
           f'median of {FLAGS.reps} alternating reps')
     print(bench_lib.FormatTable(
         ['configuration', 'median ms', 'x keras', 'x its floor'],

@@ -5,8 +5,9 @@ at a time, so micro-batches on different stages overlap and the bubble is
 (K-1)/(M+K-1). Logical CPU devices in one process are not like that: they
 share one thread pool. Two modes make them exclusive:
 
-  threads (default)  tfpipe's own executor='threads' with
-                     serialize_device_ops=True: one Python thread per device
+  threads (default)  tfpipe's own executor='threads' with each device's ops
+                     serialized (bench_lib.SerializeDeviceOps): one Python
+                     thread per device
                      calls each action's traced function, and TensorFlow's
                      single-threaded executor runs its ops one at a time in
                      that device's lane (intra-op threads = 1). This is what a
@@ -25,9 +26,12 @@ are than one big one, with no pipelining at all) and pipelining speed-up at
 equal M (one device against K). One recorded step at the largest M gives the
 measured bubble.
 
-Safety (grpc_graph): servers bind to 127.0.0.1 only; every wait has a
-deadline; worker processes are terminated in `finally` and at exit; a
-watchdog ends the run if it exceeds --total_timeout_s.
+Safety (grpc_graph): TensorFlow's servers listen on every interface, so the
+run re-executes itself in a loopback-only network namespace
+(tfpipe.network_namespace, as tfpipe.launcher does); every wait has a
+deadline; the workers are tfpipe.local_cluster children, killed in `finally`,
+at exit and by the kernel if this process dies; a watchdog ends the run if it
+exceeds --total_timeout_s.
 
     python -m benchmarks.pipeline_efficiency --output_json=/tmp/eff.json
     python -m benchmarks.pipeline_efficiency --mode=grpc_graph --dim=512 \
@@ -36,16 +40,18 @@ watchdog ends the run if it exceeds --total_timeout_s.
 
 import atexit
 import concurrent.futures
-import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 from absl import app
 from absl import flags
+
+from tfpipe import cluster_spec
+from tfpipe import local_cluster
+from tfpipe import network_namespace
+from tfpipe import quiet
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum('mode', 'threads', ['threads', 'grpc_graph'],
@@ -60,7 +66,8 @@ flags.DEFINE_integer('batch', 8192, 'Global batch size. Large enough that '
                      'a micro-batch at M=8 still runs its matmuls at full '
                      'speed on one core (see the micro-batch efficiency '
                      'column).')
-flags.DEFINE_string('schedule', 'gpipe', 'gpipe or 1f1b.')
+flags.DEFINE_string('schedule', 'gpipe', 'A key of gpipe.schedule.SCHEDULES; '
+                    'benchmarks/schedules.py compares them side by side.')
 flags.DEFINE_integer('reps', 7, 'Timed repetitions per configuration.')
 flags.DEFINE_integer('worker_inter_op_threads', 1, 'Inter-op threads of each '
                      'worker. 1 is strictly one op at a time, but then a '
@@ -71,76 +78,42 @@ flags.DEFINE_integer('startup_timeout_s', 90, 'Deadline for workers to listen.')
 flags.DEFINE_integer('total_timeout_s', 540, 'Watchdog for the whole run.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
 # Internal: set when this file runs as a worker process.
-flags.DEFINE_string('worker_cluster', None, 'Worker: cluster spec JSON.')
+flags.DEFINE_string('worker_cluster', None, 'Worker: the cluster spec.')
 flags.DEFINE_integer('worker_task', None, 'Worker: task index.')
 
-_PROCS = []
+_CHILDREN = local_cluster.ChildProcesses('pipeline_efficiency')
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _RunWorker():
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  config = tf.compat.v1.ConfigProto(
-      intra_op_parallelism_threads=1,
-      inter_op_parallelism_threads=FLAGS.worker_inter_op_threads)
-  cluster = tf.train.ClusterSpec(json.loads(FLAGS.worker_cluster))
-  server = tf.distribute.Server(cluster, job_name='worker',
-                                task_index=FLAGS.worker_task, config=config,
-                                start=True)
-  server.join()
-
-
-def _FreePort():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
-def _KillWorkers():
-  for p in _PROCS:
-    if p.poll() is None:
-      p.terminate()
-  for p in _PROCS:
-    try:
-      p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      p.kill()
+  from tfpipe import servers  # pylint: disable=g-import-not-at-top
+  servers.Serve(cluster_spec.ParseClusterSpec(FLAGS.worker_cluster),
+                cluster_spec.WORKER_JOB, FLAGS.worker_task,
+                intra_op_threads=1,
+                inter_op_threads=FLAGS.worker_inter_op_threads)
 
 
 def _StartWorkers(num):
-  hosts = [f'127.0.0.1:{_FreePort()}' for _ in range(num)]
-  spec = {'worker': hosts}
-  atexit.register(_KillWorkers)
-  for k in range(num):
-    _PROCS.append(subprocess.Popen(
-        [sys.executable, '-m', 'benchmarks.pipeline_efficiency',
-         f'--worker_cluster={json.dumps(spec)}', f'--worker_task={k}',
-         f'--worker_inter_op_threads={FLAGS.worker_inter_op_threads}'],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        cwd=_REPO_ROOT))
-  deadline = time.time() + FLAGS.startup_timeout_s
-  for host in hosts:
-    port = int(host.split(':')[1])
-    while True:
-      if any(p.poll() is not None for p in _PROCS):
-        raise RuntimeError('A worker process exited during start-up.')
-      try:
-        with socket.create_connection(('127.0.0.1', port), timeout=1):
-          break
-      except OSError:
-        if time.time() > deadline:
-          raise TimeoutError(f'Worker {host} did not listen within '
-                             f'{FLAGS.startup_timeout_s}s.') from None
-        time.sleep(0.5)
-  return spec
+  """K single-device worker processes plus this controller, on 127.0.0.1."""
+  jobs = local_cluster.LocalClusterJobs(num)
+  atexit.register(_CHILDREN.Close)
+  local_cluster.StartWorkers(
+      _CHILDREN, jobs, lambda k: [
+          sys.executable, '-m', 'benchmarks.pipeline_efficiency',
+          f'--worker_cluster={cluster_spec.FormatClusterSpec(jobs)}',
+          f'--worker_task={k}',
+          f'--worker_inter_op_threads={FLAGS.worker_inter_op_threads}'],
+      FLAGS.startup_timeout_s, stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL, cwd=_REPO_ROOT)
+  return jobs
 
 
 def _Watchdog():
   def Fire():
     print(f'watchdog: run exceeded {FLAGS.total_timeout_s}s; stopping.',
           flush=True)
-    _KillWorkers()
+    _CHILDREN.Close()
     os._exit(3)  # pylint: disable=protected-access
   t = threading.Timer(FLAGS.total_timeout_s, Fire)
   t.daemon = True
@@ -156,19 +129,18 @@ def _LayerParams():
           for i in range(FLAGS.num_layers)]
 
 
-def _MeasureGrpcGraph(spec):
+def _MeasureGrpcGraph(jobs):
   """Connects to the workers and times the one-graph pipeline for each M."""
   # pylint: disable=g-import-not-at-top
   from benchmarks import bench_lib
+  from tfpipe import device_names
   from tfpipe import gpipe
+  from tfpipe import servers
   from tfpipe import timeline
   tf = bench_lib.tf
-  resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-      tf.train.ClusterSpec(spec), rpc_layer='grpc')
-  tf.config.experimental_connect_to_cluster(
-      resolver, make_master_device_default=False)
+  servers.ConnectToCluster(tf.train.ClusterSpec(jobs))
   k = FLAGS.num_cells
-  devices = [f'/job:worker/replica:0/task:{i}/device:CPU:0' for i in range(k)]
+  devices = device_names.PipelineDevices(k, k)
   cells = gpipe.PartitionSequentialLayers(_LayerParams(), k, balance='params')
   with tf.device(devices[0]):
     x = tf.random.stateless_normal([FLAGS.batch, FLAGS.dim], seed=[1, 2])
@@ -191,24 +163,23 @@ def _MeasureThreads():
   from benchmarks import bench_lib
   from tfpipe import gpipe
   from tfpipe import timeline
-  from tfpipe.gpipe import threaded_executor
   tf = bench_lib.tf
   k = FLAGS.num_cells
   # Each device's ops run one at a time in its own lane (see module doc).
   tf.config.threading.set_intra_op_parallelism_threads(1)
   tf.config.threading.set_inter_op_parallelism_threads(
-      threaded_executor.InterOpThreadsNeeded(k))
+      bench_lib.InterOpThreadsNeeded(k))
   devices = bench_lib.SplitCpu(k)
   cells = gpipe.PartitionSequentialLayers(_LayerParams(), k, balance='params')
   x = tf.random.stateless_normal([FLAGS.batch, FLAGS.dim], seed=[1, 2])
 
   def ThreadsPipe(m, devs):
     # Every cell of the K-cell model, round-robin over `devs`.
-    return gpipe.PipeliningLayer.Params().Set(
+    return bench_lib.SerializeDeviceOps(gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=m, devices=devs,
         round_robin_placement=True, remat_policy='always',
-        schedule=FLAGS.schedule, executor='threads',
-        serialize_device_ops=True).Instantiate()
+        schedule=FLAGS.schedule, executor='threads').Instantiate(),
+                                        concurrent_devices=k)
 
   pipes, steps = {}, {}
   for m in [int(v) for v in FLAGS.micro_batches]:
@@ -240,16 +211,19 @@ def main(argv):
   if FLAGS.worker_cluster:
     _RunWorker()
     return
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  if FLAGS.mode == 'grpc_graph':
+    network_namespace.EnterLoopbackNamespace('benchmarks.pipeline_efficiency',
+                                             sys.argv)
+  quiet.ImportTensorFlow()  # Its C++ start-up log only with --verbosity=1.
   watchdog = _Watchdog()
   try:
     if FLAGS.mode == 'threads':
       samples, tl = _MeasureThreads()
     else:
-      spec = _StartWorkers(FLAGS.num_cells)
-      samples, tl = _MeasureGrpcGraph(spec)
+      jobs = _StartWorkers(FLAGS.num_cells)
+      samples, tl = _MeasureGrpcGraph(jobs)
   finally:
-    _KillWorkers()
+    _CHILDREN.Close()
     watchdog.cancel()
   # pylint: disable=g-import-not-at-top
   from benchmarks import bench_lib
@@ -283,7 +257,7 @@ def main(argv):
   if threads:
     header += ['1-device ms', 'micro-batch eff.', 'speed-up vs 1 device',
                'of ideal']
-    print(f'\nK={k} device threads, executor=threads, serialize_device_ops '
+    print(f'\nK={k} device threads, executor=threads, serialized device ops '
           '(one op at a time per device, intra-op threads 1); '
           f'{FLAGS.num_layers} x FC({FLAGS.dim}), batch {FLAGS.batch}, '
           f'{FLAGS.schedule}, remat; median of {FLAGS.reps} alternating reps')

@@ -43,3 +43,12 @@ class BaseModel:
   def Loss(self, outputs, targets):
     """(scalar mean loss, {metric name: scalar}) of one micro-batch."""
     raise NotImplementedError(f'{type(self).__name__} must implement Loss.')
+
+  def NumParams(self):
+    """Trainable parameters, from the layers' cost models: nothing is allocated.
+
+    This is how a billion-parameter configuration can be sized on a laptop.
+    """
+    from tfpipe.gpipe import partition  # pylint: disable=g-import-not-at-top
+    metas = partition.LayerCosts(self.LayerParamsList(), self.InputShape())
+    return sum(int(m.num_params) for m in metas)

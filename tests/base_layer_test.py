@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 from tfpipe import base_layer
+from tfpipe import layers
 
 
 class _Affine(base_layer.BaseLayer):
@@ -103,7 +104,7 @@ def _Affine2x3(name='affine', seed=None):
 # ---- params -----------------------------------------------------------------
 
 
-def testParamsExtendTheParentsAndTargetTheClass():
+def test_params_extend_the_parents_and_target_the_class():
   base = base_layer.BaseLayer.Params()
   p = _Affine.Params()
   assert {'name', 'dtype', 'random_seed'} <= {k for k, _ in base.IterParams()}
@@ -114,7 +115,7 @@ def testParamsExtendTheParentsAndTargetTheClass():
   assert isinstance(p.Set(name='x').Instantiate(), _Affine)
 
 
-def testLayerKeepsAFrozenCopyOfItsParams():
+def test_layer_keeps_a_frozen_copy_of_its_params():
   p = _Affine2x3()
   layer = p.Instantiate()
   p.output_dims = 7
@@ -124,12 +125,12 @@ def testLayerKeepsAFrozenCopyOfItsParams():
   assert layer.name == 'affine'
 
 
-def testInitRejectsNonParams():
+def test_init_rejects_non_params():
   with pytest.raises(TypeError, match=r'_Affine is built from params.*dict'):
     _Affine({'name': 'x'})
 
 
-def testInitRejectsMissingName():
+def test_init_rejects_missing_name():
   with pytest.raises(ValueError, match=r'_Affine: params.name must be set'):
     _Affine.Params().Instantiate()
 
@@ -137,7 +138,7 @@ def testInitRejectsMissingName():
 # ---- children ---------------------------------------------------------------
 
 
-def testChildrenAreNamedAfterTheirAttributeUnlessNamed():
+def test_children_are_named_after_their_attribute_unless_named():
   parent = _Parent.Params().Set(name='parent').Instantiate()
   assert parent.child.name == 'child'
   assert [c.name for c in parent.stack] == ['stack_0', 'named']
@@ -150,7 +151,7 @@ def testChildrenAreNamedAfterTheirAttributeUnlessNamed():
   assert out.shape == (4, 2)
 
 
-def testDuplicateChildNamesAreRejected():
+def test_duplicate_child_names_are_rejected():
   parent = _Parent.Params().Set(name='parent').Instantiate()
   with pytest.raises(ValueError, match="parent: child 'child' already exists"):
     parent.CreateChild('child', _Affine.Params())
@@ -161,7 +162,7 @@ def testDuplicateChildNamesAreRejected():
 # ---- variables --------------------------------------------------------------
 
 
-def testRandomSeedMakesInitializationDeterministic():
+def test_random_seed_makes_initialization_deterministic():
   a = _Affine2x3('a', seed=11).Instantiate()
   b = _Affine2x3('b', seed=11).Instantiate()
   c = _Affine2x3('c', seed=12).Instantiate()
@@ -170,7 +171,7 @@ def testRandomSeedMakesInitializationDeterministic():
   np.testing.assert_array_equal(a.b.numpy(), np.zeros(2))
 
 
-def testVariablesWithDifferentNamesGetDifferentInitialValues():
+def test_variables_with_different_names_get_different_initial_values():
 
   class TwoWeights(base_layer.BaseLayer):
 
@@ -188,7 +189,7 @@ def testVariablesWithDifferentNamesGetDifferentInitialValues():
   np.testing.assert_array_equal(layer.v.numpy(), again.v.numpy())
 
 
-def testVariablesLiveOnTheDeviceActiveAtInstantiation():
+def test_variables_live_on_the_device_active_at_instantiation():
   with tf.device('/CPU:3'):
     layer = _Affine2x3().Instantiate()
   assert layer.weights
@@ -200,7 +201,7 @@ def testVariablesLiveOnTheDeviceActiveAtInstantiation():
   assert layer.w.value.device.endswith('CPU:3')
 
 
-def testCreateVariableDtypeAndTrainable():
+def test_create_variable_dtype_and_trainable():
   layer = _Affine2x3().Instantiate()
   extra = layer.CreateVariable('count', [], initializer='zeros',
                                trainable=False, dtype='int32')
@@ -213,13 +214,13 @@ def testCreateVariableDtypeAndTrainable():
 # ---- computation ------------------------------------------------------------
 
 
-def testFPropNotOverriddenRaisesTypeErrorNamingTheClass():
+def test_fprop_not_overridden_raises_type_error_naming_the_class():
   layer = _NoFProp.Params().Set(name='bare').Instantiate()
   with pytest.raises(TypeError, match='_NoFProp must override FProp'):
     layer(tf.ones([1, 2]))
 
 
-def testCallPassesTrainingOnlyWhenFPropAcceptsIt():
+def test_call_passes_training_only_when_fprop_accepts_it():
   probe = _TrainingProbe.Params().Set(name='probe').Instantiate()
   probe(tf.ones([1, 2]), training=True)
   probe(tf.ones([1, 2]), training=False)
@@ -231,7 +232,7 @@ def testCallPassesTrainingOnlyWhenFPropAcceptsIt():
       affine(tf.ones([1, 3])).numpy())
 
 
-def testDefaultFPropMetaInstantiatesAndTraces():
+def test_default_fprop_meta_instantiates_and_traces():
   p = _Affine.Params().Set(name='affine', input_dims=3, output_dims=5)
   meta = _Affine.FPropMeta(p, (None, 3))
   assert meta.output_shape == (None, 5)
@@ -242,7 +243,7 @@ def testDefaultFPropMetaInstantiatesAndTraces():
   assert meta.flops > 0
 
 
-def testComputeOutputShapeUsesFPropMeta():
+def test_compute_output_shape_uses_fprop_meta():
 
   class Declared(_Affine):
 
@@ -259,7 +260,7 @@ def testComputeOutputShapeUsesFPropMeta():
 # ---- step context -----------------------------------------------------------
 
 
-def testStatelessSeedOnlyInsideAStepAndPerLayer():
+def test_stateless_seed_only_inside_a_step_and_per_layer():
   a = _Affine2x3('a').Instantiate()
   b = _Affine2x3('b').Instantiate()
   assert a.StatelessSeed() is None
@@ -285,7 +286,80 @@ def testStatelessSeedOnlyInsideAStepAndPerLayer():
                                   .StatelessSeed().numpy(), sa1)
 
 
-def testStepContextIsRestoredAfterErrorsAndIsPerThread():
+def test_seed_path_leaves_out_the_cells_and_sequential_containers():
+  """What makes random draws independent of the number of partitions."""
+  block = _Parent.Params().Set(name='block_0')
+  one_cell = layers.SequentialLayer.Params().Set(name='cell0', sub=[block])
+  nested = layers.SequentialLayer.Params().Set(name='cell3', sub=[
+      layers.SequentialLayer.Params().Set(name='encoder', sub=[block])])
+  for container in (one_cell, nested):
+    layer = container.Instantiate()
+    while isinstance(layer, layers.SequentialLayer):
+      layer = layer.sub[0]
+    assert layer.SeedPath() == 'block_0'
+    assert layer.child.SeedPath() == 'block_0/child'
+    assert [c.SeedPath() for c in layer.stack] == ['block_0/stack_0',
+                                                   'block_0/named']
+  assert _Parent.Params().Set(name='p').Instantiate().SeedPath() == 'p'
+  with base_layer.StepSeed(tf.constant([4, 1], tf.int64)):
+    seeds = [c.Instantiate().sub[0].child.StatelessSeed().numpy()
+             for c in (one_cell, one_cell.Copy().Set(name='cell1'))]
+  np.testing.assert_array_equal(seeds[0], seeds[1])
+
+
+def _Bits(shape, salt=7, step=(5, 0), offset=0, **kwargs):
+  with base_layer.StepSeed(tf.constant(step, tf.int64), offset):
+    return base_layer.StepRandomBits(shape, salt, **kwargs).numpy()
+
+
+def test_step_random_bits_are_per_example_and_independent_of_the_split():
+  assert base_layer.StepRandomBits([2, 3], 7) is None  # Outside a step.
+  whole = _Bits([6, 2, 3])
+  assert whole.dtype == np.uint32 and whole.shape == (6, 2, 3)
+  np.testing.assert_array_equal(_Bits([6, 2, 3]), whole)
+  # A micro-batch's bits depend on its offset, not on seed[1].
+  np.testing.assert_array_equal(
+      np.concatenate([_Bits([2, 2, 3], step=(5, 0), offset=0),
+                      _Bits([4, 2, 3], step=(5, 1), offset=2)]), whole)
+  for other in (_Bits([6, 2, 3], salt=8), _Bits([6, 2, 3], step=(6, 0)),
+                _Bits([6, 2, 3], step=(5 + 2**32, 0))):
+    assert (other != whole).mean() > 0.99
+  # Without the offset (or per_example=False) they follow seed[1].
+  assert not np.array_equal(_Bits([6, 2, 3], offset=None),
+                            _Bits([6, 2, 3], step=(5, 1), offset=None))
+  np.testing.assert_array_equal(
+      _Bits([6, 2, 3], offset=0, per_example=False),
+      _Bits([6, 2, 3], offset=None))
+  shared = _Bits([1, 4], offset=3, shared_across_batch=True)
+  np.testing.assert_array_equal(
+      shared, _Bits([1, 4], offset=0, shared_across_batch=True))
+
+
+def test_step_random_values_have_the_right_distribution():
+  with base_layer.StepSeed(tf.constant([9, 0], tf.int64), 0):
+    bits = base_layer.StepRandomBits([200, 500], 3).numpy()
+    uniform = base_layer.StepUniform([200, 500], 3).numpy()
+    normal = base_layer.StepNormal([200, 500], 3).numpy()
+    keep = base_layer.StepKeepMask([200, 500], 0.3, 3).numpy()
+    assert base_layer.StepKeepMask([2, 2], 1.0, 3).numpy().all()
+  # Every bit is a fair coin, uniform covers (0, 1), normal is standard.
+  per_bit = [((bits >> b) & 1).mean() for b in range(32)]
+  np.testing.assert_allclose(per_bit, 0.5, atol=0.01)
+  assert 0.0 < uniform.min() and uniform.max() < 1.0
+  np.testing.assert_allclose(uniform.mean(), 0.5, atol=0.005)
+  np.testing.assert_allclose([normal.mean(), normal.std()], [0.0, 1.0],
+                             atol=0.01)
+  np.testing.assert_allclose(keep.mean(), 0.3, atol=0.005)
+  # Neighbouring examples and elements are uncorrelated.
+  np.testing.assert_allclose(
+      np.corrcoef(uniform[:-1].ravel(), uniform[1:].ravel())[0, 1], 0.0,
+      atol=0.01)
+  np.testing.assert_allclose(
+      np.corrcoef(uniform[:, :-1].ravel(), uniform[:, 1:].ravel())[0, 1],
+      0.0, atol=0.01)
+
+
+def test_step_context_is_restored_after_errors_and_is_per_thread():
   with pytest.raises(RuntimeError):
     with base_layer.StepSeed(tf.constant([1, 2])):
       raise RuntimeError('boom')
@@ -299,7 +373,7 @@ def testStepContextIsRestoredAfterErrorsAndIsPerThread():
   assert seen == [None]
 
 
-def testDeferredStatsAreRoutedAndAppliedOncePerLayer():
+def test_deferred_stats_are_routed_and_applied_once_per_layer():
   a = _Recorder.Params().Set(name='a').Instantiate()
   b = _Recorder.Params().Set(name='b').Instantiate()
   collector = base_layer.DeferredStatsCollector()
@@ -320,7 +394,7 @@ def testDeferredStatsAreRoutedAndAppliedOncePerLayer():
   assert len(a.applied) == 1
 
 
-def testRecomputingIsScopedAndNests():
+def test_recomputing_is_scoped_and_nests():
   assert not base_layer.IsRecomputing()
   with base_layer.Recomputing():
     assert base_layer.IsRecomputing()
@@ -333,7 +407,7 @@ def testRecomputingIsScopedAndNests():
 # ---- shape helpers ----------------------------------------------------------
 
 
-def testShapeHelpersOnNestedShapes():
+def test_shape_helpers_on_nested_shapes():
   nested = {'a': (None, 3), 'b': [(2,), (4, 5)]}
   assert base_layer.LeafShapes(nested) == [(None, 3), (2,), (4, 5)]
   assert base_layer.LeafShapes(tf.TensorShape([2, 3])) == [(2, 3)]
@@ -352,7 +426,7 @@ def testShapeHelpersOnNestedShapes():
   assert base_layer.BatchDim(()) is None
 
 
-def testSumCosts():
+def test_sum_costs():
   total = base_layer.SumCosts([
       base_layer.CostMeta((None, 4), 10.0, 3, 8.0),
       base_layer.CostMeta((None, 2), 5.0, 1, 4.0)])
@@ -363,7 +437,7 @@ def testSumCosts():
 # ---- Keras integration ------------------------------------------------------
 
 
-def testTrainsInsideKerasModelFit():
+def test_trains_inside_keras_model_fit():
   keras.utils.set_random_seed(0)
   rng = np.random.default_rng(0)
   x = rng.normal(size=(64, 3)).astype(np.float32)
@@ -379,7 +453,7 @@ def testTrainsInsideKerasModelFit():
       v.path for v in layer.trainable_variables]
 
 
-def testCheckpointRoundTripRestoresOutputs(tmp_path):
+def test_checkpoint_round_trip_restores_outputs(tmp_path):
   x = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3))
   saved = _Parent.Params().Set(name='parent', random_seed=1).Instantiate()
   other = _Parent.Params().Set(name='parent', random_seed=2).Instantiate()

@@ -35,7 +35,7 @@ class _Config(base_model_params.SingleTaskModelParams):
     pass
 
 
-def testUnimplementedPartsNameTheConfiguration():
+def test_unimplemented_parts_name_the_configuration():
 
   class Empty(base_model_params.SingleTaskModelParams):
     pass
@@ -48,7 +48,7 @@ def testUnimplementedPartsNameTheConfiguration():
     Empty().Test()
 
 
-def testTestIsTrainWithANewNameAndSeed():
+def test_test_is_train_with_a_new_name_and_seed():
   config = _Config()
   test = config.Test()
   train = config.Train()
@@ -60,7 +60,7 @@ def testTestIsTrainWithANewNameAndSeed():
   assert test.Copy().Set(name='train', seed=train.seed) == train
 
 
-def testTestInputSeesOtherExamples():
+def test_test_input_sees_other_examples():
   config = _Config()
   train = next(iter(config.Train().Instantiate().GetDataset(0)))
   test = next(iter(config.Test().Instantiate().GetDataset(0)))
@@ -69,12 +69,12 @@ def testTestInputSeesOtherExamples():
   assert not np.allclose(train[0].numpy(), test[0].numpy())
 
 
-def testDatasetsListsExactlyTheDatasetMethods():
+def test_datasets_lists_exactly_the_dataset_methods():
   assert _Config.Datasets() == ['Dev', 'Test', 'Train']
   assert base_model_params.SingleTaskModelParams.Datasets() == ['Test', 'Train']
 
 
-def testRegistryAcceptsTheListedDatasets():
+def test_registry_accepts_the_listed_datasets():
   cls = model_registry.GetClass('mlp.TinyMlp')
   assert cls.Datasets() == ['Test', 'Train']
   p = model_registry.GetParams('mlp.TinyMlp', 'Train', 'Test')

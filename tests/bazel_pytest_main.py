@@ -6,21 +6,27 @@ setup.cfg's pytest settings. Each `py_test` in BUILD therefore uses this file
 as `main`, with the test file's workspace-relative path as its argument:
 
     py_test(
-        name = "hyperparams_test",
-        srcs = ["tests/hyperparams_test.py", "tests/bazel_pytest_main.py"],
-        main = "tests/bazel_pytest_main.py",
-        args = ["tests/hyperparams_test.py"],
+        name = "schedule_test",
+        srcs = ["schedule_test.py", "//tests:bazel_pytest_main.py"],
+        main = "//tests:bazel_pytest_main.py",
+        args = ["tests/gpipe/schedule_test.py"],
         ...
     )
 
 Extra arguments are passed on to pytest, e.g.
-`bazel test //:hyperparams_test --test_arg=-k --test_arg=Freeze`.
+`bazel test //tests:hyperparams_test --test_arg=-k --test_arg=Freeze`.
 """
 
 import os
 import sys
 
-import pytest
+# Python put this file's real directory, the source tree's tests/, first on
+# sys.path. Drop it: tests/keras would shadow the keras package, and the
+# source tree would leak into the sandbox. Tests import as `tests.x`.
+_HERE = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or '.') != _HERE]
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def main(argv):

@@ -1,25 +1,32 @@
-"""Keeps the Bazel BUILD file honest as the tree grows.
+"""Keeps the per-package Bazel BUILD files honest as the tree grows.
 
-Runs without Bazel: it parses BUILD as text. If it fails, regenerate with
+Runs without Bazel: it parses the BUILD files as text. If it fails,
+regenerate with
 
     python tools/build_targets.py
 
-and commit BUILD together with the new or changed files.
+and commit the BUILD files together with the new or changed files.
 """
+# Reads the real source tree (through the runfiles symlinks), so it must never
+# be served from Bazel's cache; it loads the generator by path.
+# bazel: tags=external
+# bazel: deps=//tools:build_targets
 
 import ast
+import difflib
 import importlib.util
 import os
+import posixpath
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-# Under `bazel test` this file is a runfiles symlink; the real tree is where
-# it points.
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-BUILD_PATH = os.path.join(ROOT, 'BUILD')
 GENERATOR_PATH = os.path.join(ROOT, 'tools', 'build_targets.py')
-REGENERATE = 'Run `python tools/build_targets.py` and commit BUILD.'
+REGENERATE = 'Run `python tools/build_targets.py` and commit the BUILD files.'
 
 _RULE_RE = re.compile(r'^(py_library|py_test|py_binary)\(\n(.*?)^\)',
                       re.M | re.S)
@@ -34,7 +41,7 @@ def _LoadGenerator():
 
 
 def _ParseBuild(text):
-  """[(kind, {attr: value})] for every py_* rule in BUILD."""
+  """[(kind, {attr: value})] for every py_* rule of one BUILD file."""
   rules = []
   for m in _RULE_RE.finditer(text):
     call = ast.parse(f'f(\n{m.group(2)})', mode='eval').body
@@ -43,17 +50,54 @@ def _ParseBuild(text):
   return rules
 
 
-@pytest.fixture(scope='module')
-def build_text():
-  if not os.path.exists(BUILD_PATH):
-    pytest.fail(f'No BUILD file at {BUILD_PATH}. {REGENERATE}')
-  with open(BUILD_PATH, encoding='utf-8') as f:
-    return f.read()
+def _Path(package, src):
+  """A srcs/data entry of `package`'s BUILD as a workspace path."""
+  if src.startswith('//'):
+    directory, _, base = src[2:].partition(':')
+    return posixpath.join(directory, base)
+  return posixpath.join(package, src)
 
 
-@pytest.fixture(scope='module')
-def rules(build_text):
-  return _ParseBuild(build_text)
+def _Absolute(package, label):
+  """A deps entry of `package`'s BUILD as '//pkg:name'."""
+  if label.startswith(':'):
+    return f'//{package}{label}'
+  if ':' not in label:
+    return f'{label}:{posixpath.basename(label)}'
+  return label
+
+
+def _Rules(files):
+  """{'//pkg:name': (kind, attrs, package)} over {BUILD path: text}."""
+  out = {}
+  for path, text in files.items():
+    package = posixpath.dirname(path)
+    for kind, attrs in _ParseBuild(text):
+      label = f'//{package}:{attrs["name"]}'
+      assert label not in out, f'{label} is defined twice. {REGENERATE}'
+      out[label] = (kind, attrs, package)
+  return out
+
+
+def _Closure(rules, label):
+  """Workspace paths of the sources `label` brings, transitively."""
+  seen, stack, srcs = set(), [label], set()
+  while stack:
+    current = stack.pop()
+    if current in seen:
+      continue
+    seen.add(current)
+    _, attrs, package = rules[current]
+    srcs.update(_Path(package, s) for s in attrs.get('srcs', []))
+    stack += [_Absolute(package, d) for d in attrs.get('deps', [])]
+  return srcs
+
+
+def _WriteTree(root, files):
+  for path, text in files.items():
+    full = root / path
+    full.parent.mkdir(parents=True, exist_ok=True)
+    full.write_text(textwrap.dedent(text))
 
 
 @pytest.fixture(scope='module')
@@ -62,117 +106,262 @@ def generator():
 
 
 @pytest.fixture(scope='module')
+def expected(generator):
+  return generator.Generate(ROOT)
+
+
+@pytest.fixture(scope='module')
+def build_files(expected):
+  files = {}
+  for path in expected:
+    full = os.path.join(ROOT, path)
+    if not os.path.exists(full):
+      pytest.fail(f'No BUILD file at {path}. {REGENERATE}')
+    with open(full, encoding='utf-8') as f:
+      files[path] = f.read()
+  return files
+
+
+@pytest.fixture(scope='module')
+def rules(build_files):
+  return _Rules(build_files)
+
+
+@pytest.fixture(scope='module')
 def tree(generator):
   return generator.Tree(ROOT)
 
 
-def test_build_parses_into_python_rules(rules):
-  assert rules, 'BUILD has no py_library/py_test/py_binary rules.'
-  for kind, attrs in rules:
-    assert 'name' in attrs, f'A {kind} in BUILD has no name.'
+def test_every_package_has_a_build_file_of_python_rules(build_files, tree):
+  packages = {posixpath.dirname(p) for p in tree.files}
+  missing = sorted(p for p in packages if posixpath.join(p, 'BUILD')
+                   not in build_files)
+  assert not missing, f'Packages without a BUILD file: {missing}. {REGENERATE}'
+  for path, text in build_files.items():
+    if path != 'BUILD':
+      assert _ParseBuild(text), f'{path} has no py_* rules. {REGENERATE}'
 
 
-def test_target_names_are_unique(rules):
-  names = [attrs['name'] for _, attrs in rules]
-  dupes = sorted({n for n in names if names.count(n) > 1})
-  assert not dupes, f'Duplicate BUILD target names: {dupes}. {REGENERATE}'
-
-
-def test_every_module_has_a_py_library(rules, tree):
-  covered = set()
-  for kind, attrs in rules:
+def test_every_module_is_the_source_of_exactly_one_library(rules, tree):
+  owners = {}
+  for label, (kind, attrs, package) in rules.items():
     if kind == 'py_library':
-      covered.update(attrs.get('srcs', []))
-  missing = [p for p in tree.library_files if p not in covered]
+      for src in attrs.get('srcs', []):
+        owners.setdefault(_Path(package, src), []).append(label)
+  missing = [p for p in tree.library_files if p not in owners]
   assert not missing, (
-      'These modules are not in any py_library in BUILD:\n  ' +
-      '\n  '.join(missing) + f'\n{REGENERATE}')
-
-
-def test_every_test_file_has_a_py_test(rules, tree):
-  covered = set()
-  for kind, attrs in rules:
-    if kind == 'py_test':
-      covered.update(attrs.get('args', []))
-      covered.update(s for s in attrs.get('srcs', [])
-                     if s.endswith('_test.py'))
-  missing = [p for p in tree.test_files if p not in covered]
-  assert not missing, (
-      'These test files have no py_test in BUILD:\n  ' + '\n  '.join(missing) +
+      'These modules are in no py_library:\n  ' + '\n  '.join(missing) +
       f'\n{REGENERATE}')
+  shared = {p: ls for p, ls in owners.items()
+            if len(ls) > 1 and not p.endswith('_test.py')}
+  assert not shared, f'Sources shared between libraries: {shared}'
 
 
-def test_build_names_only_existing_files(rules):
+def test_every_test_file_has_a_py_test_that_runs_it(rules, tree):
+  runs = {attrs['args'][0]: label for label, (kind, attrs, _) in rules.items()
+          if kind == 'py_test'}
+  missing = [p for p in tree.test_files if p not in runs]
+  assert not missing, (
+      'These test files have no py_test:\n  ' + '\n  '.join(missing) +
+      f'\n{REGENERATE}')
+  for path, label in runs.items():
+    package, base = posixpath.split(path)
+    assert label == f'//{package}:{base[:-len(".py")]}', (
+        f'{path} is run by {label}, not by the target named after it.')
+
+
+def test_build_files_name_only_existing_files(rules):
   gone = set()
-  for _, attrs in rules:
-    for attr in ('srcs', 'data'):
-      for src in attrs.get(attr, []):
-        if not os.path.exists(os.path.join(ROOT, src)):
-          gone.add(src)
-  assert not gone, ('BUILD names files that do not exist:\n  ' +
+  for _, attrs, package in rules.values():
+    for src in attrs.get('srcs', []) + attrs.get('data', []):
+      if not os.path.exists(os.path.join(ROOT, _Path(package, src))):
+        gone.add(_Path(package, src))
+  assert not gone, ('BUILD files name files that do not exist:\n  ' +
                     '\n  '.join(sorted(gone)) + f'\n{REGENERATE}')
 
 
+def test_every_dependency_is_a_defined_target(rules):
+  undefined = set()
+  for label, (_, attrs, package) in rules.items():
+    for dep in attrs.get('deps', []):
+      if _Absolute(package, dep) not in rules:
+        undefined.add(f'{label} -> {dep}')
+  assert not undefined, f'Unknown deps: {sorted(undefined)}. {REGENERATE}'
+
+
 def test_trainer_binary_when_trainer_exists(rules, tree, generator):
-  binaries = {attrs['name']: attrs for kind, attrs in rules
-              if kind == 'py_binary'}
   if not tree.has_trainer:
     pytest.skip(f'{generator.TRAINER} does not exist yet.')
-  assert 'trainer' in binaries, f'No py_binary //:trainer. {REGENERATE}'
-  assert binaries['trainer']['main'] == generator.TRAINER
+  kind, attrs, _ = rules['//:trainer']
+  assert kind == 'py_binary'
+  assert _Path('', attrs['main']) == generator.TRAINER
+  assert '//params' in attrs['deps'], 'The trainer needs every config.'
 
 
-def test_build_is_up_to_date(build_text, generator):
+def test_build_files_are_up_to_date(build_files, expected, generator):
   """Deps follow imports: a stale BUILD gives Bazel-only ImportErrors."""
-  expected = generator.Generate(ROOT)
-  if build_text != expected:
-    import difflib  # pylint: disable=g-import-not-at-top
-    diff = ''.join(difflib.unified_diff(
-        build_text.splitlines(True), expected.splitlines(True),
-        'BUILD (committed)', 'BUILD (generated)', n=1))
-    pytest.fail(f'BUILD is stale. {REGENERATE}\n{diff[:4000]}')
+  diffs = []
+  for path, text in expected.items():
+    if build_files[path] != text:
+      diffs += difflib.unified_diff(
+          build_files[path].splitlines(True), text.splitlines(True),
+          f'{path} (committed)', f'{path} (generated)', n=1)
+  stale = generator.StaleBuildFiles(ROOT, expected)
+  assert not diffs and not stale, (
+      f'Stale BUILD files {stale}. {REGENERATE}\n' + ''.join(diffs)[:4000])
 
 
-def test_generator_is_deterministic(generator):
-  assert generator.Generate(ROOT) == generator.Generate(ROOT)
+def test_generator_is_deterministic(generator, expected):
+  assert generator.Generate(ROOT) == expected
+
+
+def test_schedule_target_and_import_carry_no_tensorflow(rules):
+  """The issue's promise: the pure-Python schedule imports without TF."""
+  assert _Closure(rules, '//tfpipe/gpipe:schedule') == {
+      'tfpipe/gpipe/schedule.py', 'tfpipe/gpipe/__init__.py',
+      'tfpipe/__init__.py', 'tfpipe/lazy_exports.py'}
+  code = ('import sys, tfpipe.gpipe.schedule; '
+          'print([m for m in ("tensorflow", "keras") if m in sys.modules])')
+  proc = subprocess.run(
+      [sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+      env=dict(os.environ, PYTHONPATH=ROOT), timeout=120, check=True)
+  assert proc.stdout.strip() == '[]'
+
+
+SMALL_TREE = {
+    'tfpipe/__init__.py': '''
+        from tfpipe import lazy_exports
+        __getattr__, __dir__, __all__ = lazy_exports.Attach(
+            __name__, {'sub': []})
+    ''',
+    'tfpipe/lazy_exports.py': 'import importlib\n',
+    'tfpipe/a.py': 'import numpy\n',
+    'tfpipe/model_registry.py': 'from tfpipe import a\n',
+    'tfpipe/sub/__init__.py': '''
+        from tfpipe import lazy_exports
+        __getattr__, __dir__, __all__ = lazy_exports.Attach(
+            __name__, {'b': ['B'], 'c': []})
+    ''',
+    'tfpipe/sub/b.py': 'from .. import a\nfrom tfpipe.sub import c\nB = 1\n',
+    'tfpipe/sub/c.py': 'def F():\n  import tfpipe.a\n',
+    'models/__init__.py': 'from tfpipe import a\n',
+    'models/m.py': 'import models\nfrom tfpipe.sub import B\n',
+    'params/__init__.py': '',
+    'params/p.py': 'from models import m\nfrom tfpipe import model_registry\n',
+    'tests/__init__.py': '',
+    'tests/conftest.py': 'import pytest\n',
+    'tests/bazel_pytest_main.py': 'import pytest\n',
+    'tests/sub/__init__.py': '',
+    'tests/sub/runs_trainer.py': '''
+        # bazel: deps=//tfpipe/trainer:trainer,//params:params
+        # bazel: data=//:setup.cfg
+        import subprocess
+    ''',
+    'tests/sub/b_test.py': '''
+        # bazel: size=large
+        # bazel: tags=manual,gpu
+        from tfpipe.sub import b
+    ''',
+    'tests/sub/c_test.py': '''
+        from tests.sub import b_test
+        from tfpipe import model_registry
+    ''',
+    'tfpipe/trainer/__init__.py': '',
+    'tfpipe/trainer/trainer.py': 'from tfpipe import a\n',
+}
 
 
 def test_generator_on_a_small_tree(tmp_path, generator):
-  files = {
-      'tfpipe/__init__.py': '',
-      'tfpipe/a.py': 'import numpy\n',
-      'tfpipe/sub/__init__.py': 'from tfpipe.sub.b import *\n',
-      'tfpipe/sub/b.py': 'from .. import a\nfrom tfpipe.sub import c\n',
-      'tfpipe/sub/c.py': 'def f():\n  import tfpipe.a\n',
-      'models/m.py': 'from tfpipe.sub import b\n',
-      'tests/__init__.py': '',
-      'tests/conftest.py': '',
-      'tests/bazel_pytest_main.py': '',
-      'tests/sub/b_test.py': '# bazel: size=large\nfrom tfpipe.sub import b\n',
-      'tfpipe/trainer/trainer.py': 'from tfpipe import a\n',
-  }
-  for path, text in files.items():
-    full = tmp_path / path
-    full.parent.mkdir(parents=True, exist_ok=True)
-    full.write_text(text)
-  by_name = {a['name']: (k, a)
-             for k, a in _ParseBuild(generator.Generate(str(tmp_path)))}
-  assert by_name['a'][1]['deps'] == [':tfpipe_init']
-  assert by_name['a'][1]['srcs'] == ['tfpipe/a.py']
-  # tfpipe/sub/__init__.py imports b, b imports c, and importing c runs
-  # tfpipe/sub/__init__.py: a cycle, so the three share their sources.
-  cycle = ['tfpipe/sub/__init__.py', 'tfpipe/sub/b.py', 'tfpipe/sub/c.py']
-  assert by_name['sub_init'][1]['srcs'] == cycle
-  assert by_name['sub_b'][1]['srcs'] == [cycle[1], cycle[0], cycle[2]]
-  assert by_name['sub_c'][1]['srcs'] == [cycle[2], cycle[0], cycle[1]]
-  for name in ('sub_init', 'sub_b', 'sub_c'):
-    assert by_name[name][1]['deps'] == [':a', ':tfpipe_init']
-  assert by_name['models_m'][1]['deps'] == [':sub_b']
-  kind, test = by_name['sub_b_test']
+  _WriteTree(tmp_path, SMALL_TREE)
+  files = generator.Generate(str(tmp_path))
+  assert sorted(files) == [
+      'BUILD', 'models/BUILD', 'params/BUILD', 'tests/BUILD',
+      'tests/sub/BUILD', 'tfpipe/BUILD', 'tfpipe/sub/BUILD',
+      'tfpipe/trainer/BUILD']
+  rules = _Rules(files)
+
+  def Deps(label):
+    _, attrs, package = rules[label]
+    return sorted(_Absolute(package, d) for d in attrs.get('deps', []))
+
+  # A module depends on its package's lazy __init__ and on what it imports.
+  assert Deps('//tfpipe:a') == ['//tfpipe:init']
+  assert Deps('//tfpipe/sub:b') == [
+      '//tfpipe/sub:c', '//tfpipe/sub:init', '//tfpipe:a']
+  assert Deps('//tfpipe/sub:c') == ['//tfpipe/sub:init', '//tfpipe:a']
+  assert Deps('//tfpipe/sub:init') == ['//tfpipe:init', '//tfpipe:lazy_exports']
+  # The root __init__ loads lazy_exports itself: no edge back.
+  assert Deps('//tfpipe:lazy_exports') == []
+  # The package object's bundle holds what its names come from...
+  assert Deps('//tfpipe/sub:sub') == [
+      '//tfpipe/sub:b', '//tfpipe/sub:c', '//tfpipe/sub:init']
+  assert rules['//tfpipe/sub:sub'][1].get('srcs') is None
+  # ...and importing a name from the package depends on the bundle, while a
+  # package without a lazy table is just its __init__.
+  assert Deps('//models:m') == ['//models:init', '//tfpipe/sub:sub']
+  assert Deps('//params:params') == ['//params:p']
+  kind, test, _ = rules['//tests/sub:b_test']
   assert kind == 'py_test'
   assert test['size'] == 'large'
+  assert test['tags'] == ['gpu', 'manual']
   assert test['args'] == ['tests/sub/b_test.py']
-  assert test['main'] == 'tests/bazel_pytest_main.py'
-  assert test['deps'] == [':pytest_support', ':sub_b']
-  assert by_name['trainer'][0] == 'py_binary'
-  assert by_name['trainer'][1]['deps'] == [':trainer_trainer']
+  assert test['main'] == '//tests:bazel_pytest_main.py'
+  assert Deps('//tests/sub:b_test') == [
+      '//tests/sub:init', '//tests:pytest_support', '//tfpipe/sub:b']
+  # A test imported by another test is also a library; a test that uses the
+  # model registry gets every registered config.
+  assert Deps('//tests/sub:c_test') == [
+      '//params:params', '//tests/sub:b_test_lib', '//tests/sub:init',
+      '//tests:pytest_support', '//tfpipe:model_registry']
+  assert rules['//tests/sub:b_test_lib'][1]['testonly'] is True
+  # What imports do not show (a subprocess) is declared in comments.
+  assert Deps('//tests/sub:runs_trainer') == [
+      '//params:params', '//tests/sub:init', '//tfpipe/trainer:trainer']
+  assert rules['//tests/sub:runs_trainer'][1]['data'] == ['//:setup.cfg']
+  kind, trainer, _ = rules['//:trainer']
+  assert kind == 'py_binary'
+  assert trainer['deps'] == ['//params', '//tfpipe/trainer']
+  # Every source is in exactly one library: nothing is merged.
+  srcs = [_Path(p, s) for k, a, p in rules.values() if k == 'py_library'
+          for s in a.get('srcs', [])]
+  assert len(srcs) == len(set(srcs))
+
+
+def test_generator_refuses_a_real_cycle_naming_the_modules(tmp_path,
+                                                           generator):
+  files = dict(SMALL_TREE)
+  files['tfpipe/a.py'] = 'from tfpipe.sub import b\n'  # b imports a.
+  files['tfpipe/sub/c.py'] = ''  # Else a -> b -> c -> a is found first.
+  _WriteTree(tmp_path, files)
+  with pytest.raises(generator.BuildError) as error:
+    generator.Generate(str(tmp_path))
+  message = str(error.value)
+  assert 'Import cycle among tfpipe/a.py, tfpipe/sub/b.py' in message
+  assert 'imports tfpipe.sub.b (tfpipe/a.py:1)' in message
+  assert 'imports tfpipe.a (tfpipe/sub/b.py:1)' in message
+  # The command line says so and writes nothing.
+  assert generator.main(['--root', str(tmp_path)]) == 1
+  assert not (tmp_path / 'BUILD').exists()
+
+
+def test_generator_refuses_bad_directives_and_tables(tmp_path, generator):
+  files = dict(SMALL_TREE)
+  files['tests/sub/b_test.py'] = '# bazel: size=huge\n'
+  _WriteTree(tmp_path, files)
+  with pytest.raises(generator.BuildError, match='size must be one of'):
+    generator.Generate(str(tmp_path))
+  files['tests/sub/b_test.py'] = '# bazel: deps=//tfpipe:missing\n'
+  _WriteTree(tmp_path, files)
+  with pytest.raises(generator.BuildError,
+                     match='no BUILD file defines //tfpipe:missing'):
+    generator.Generate(str(tmp_path))
+  files['tests/sub/b_test.py'] = ''
+  files['tfpipe/sub/__init__.py'] = '''
+      from tfpipe import lazy_exports
+      __getattr__, __dir__, __all__ = lazy_exports.Attach(
+          __name__, {'missing': ['X']})
+  '''
+  _WriteTree(tmp_path, files)
+  with pytest.raises(generator.BuildError,
+                     match="names submodule 'missing'.*fix the table"):
+    generator.Generate(str(tmp_path))

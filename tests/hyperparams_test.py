@@ -484,3 +484,19 @@ def test_defined_cls_param_shadows_target_class():
   c = p.Copy()
   assert c.cls is OtherTarget and c.target_cls is Target
   assert type(c.Instantiate()) is Target
+
+
+def test_from_text_list_for_a_string_param_stays_a_list():
+  # A pipeline's balance is a method name or a list of layer counts; both
+  # must come through --model_params_override and a params.txt round trip.
+  p = hyperparams.Params()
+  p.Define('balance', 'flops', 'A method name or a list of layer counts.')
+  p.FromText('balance : [2, 4]')
+  assert p.balance == [2, 4]
+  q = hyperparams.Params()
+  q.Define('balance', 'flops', 'A method name or a list of layer counts.')
+  assert q.FromText(p.ToText()).balance == [2, 4]
+  q.FromText('balance : params')
+  assert q.balance == 'params'
+  q.FromText('balance : 7')
+  assert q.balance == '7'

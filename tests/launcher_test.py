@@ -9,6 +9,7 @@ of an uninterrupted run; R=2 replicas x K=2 stages on 4 workers train like
 one pipeline; no process outlives its launcher. The launcher keeps every
 server in a loopback-only network namespace.
 """
+# bazel: deps=//params,//tfpipe:launcher,//tfpipe/trainer:__main__
 
 import os
 import queue
@@ -22,8 +23,9 @@ import time
 import numpy as np
 import pytest
 
-from tests import cluster_test
-from tfpipe import cluster
+from tests import multihost_test
+from tests import quiet_test
+from tfpipe import multihost
 from tfpipe.trainer import train_loop
 
 _STEP_RE = re.compile(r'^step (\d+)/\d+ loss=(\S+)')
@@ -44,8 +46,7 @@ def _Losses(lines):
 @pytest.fixture(scope='module')
 def baseline(tmp_path_factory):
   """{step: loss} of 60 steps of the tiny LM in this process (K=2, R=1)."""
-  # pylint: disable-next=protected-access
-  p = cluster_test._TinyTaskParams(1, ['/CPU:0', '/CPU:1'])
+  p = multihost_test.TinyTaskParams(1, ['/CPU:0', '/CPU:1'])
   p.task.train.Set(max_steps=60, log_interval_steps=1, save_interval_steps=100)
   lines = []
   train_loop.Trainer(p, str(tmp_path_factory.mktemp('baseline')),
@@ -63,7 +64,7 @@ class _Launch:
         [sys.executable, '-m', 'tfpipe.launcher',
          f'--num_workers={num_workers}', f'--timeout_s={_LAUNCH_TIMEOUT_S}',
          '--', f'--logdir={logdir}', '--model=lm.TinyTransformerLm',
-         f'--model_params_override={cluster_test.TINY_LM}',
+         f'--model_params_override={multihost_test.TINY_LM}',
          f'--max_steps={max_steps}', '--log_interval_steps=1',
          '--save_interval_steps=5', '--run_locally=cpu', *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -142,7 +143,7 @@ def _AssertMatches(losses, baseline):
                                err_msg=f'step {step}')
 
 
-def testKilledWorkerStopsTheControllerAndARestartResumes(tmp_path, baseline):
+def test_killed_worker_stops_the_controller_and_a_restart_resumes(tmp_path, baseline):
   logdir = tmp_path / 'lm'
   first = _Launch(logdir, num_workers=2, max_steps=100000)
   try:
@@ -156,7 +157,7 @@ def testKilledWorkerStopsTheControllerAndARestartResumes(tmp_path, baseline):
   finally:
     first.Kill()
   first.AssertNoProcessLeft()
-  assert code == cluster.EXIT_WORKER_LOST, first.Text()
+  assert code == multihost.EXIT_WORKER_LOST, first.Text()
   assert detection_s <= _DETECTION_BOUND_S, detection_s
   assert (f'Worker /job:worker/task:1 at {address} is unreachable'
           in first.Text()), first.Text()
@@ -180,7 +181,7 @@ def testKilledWorkerStopsTheControllerAndARestartResumes(tmp_path, baseline):
   _AssertMatches(resumed, baseline)
 
 
-def testReplicasTimesStagesOnFourWorkers(tmp_path, baseline):
+def test_replicas_times_stages_on_four_workers(tmp_path, baseline):
   launch = _Launch(tmp_path / 'lm', num_workers=4, max_steps=6,
                    extra=['--num_replicas=2'])
   try:
@@ -189,6 +190,9 @@ def testReplicasTimesStagesOnFourWorkers(tmp_path, baseline):
     launch.Kill()
   launch.AssertNoProcessLeft()
   text = launch.Text()
+  # Five TensorFlow processes (4 workers, the controller), and none of their
+  # C++ start-up log.
+  assert quiet_test.StartupLines(text) == [], text
   assert 'device mesh: 2 replica(s) x 2 stage(s)' in text
   assert '[1] /job:worker/replica:0/task:3/device:CPU:0' in text
   losses = _Losses(launch.lines)
@@ -197,3 +201,13 @@ def testReplicasTimesStagesOnFourWorkers(tmp_path, baseline):
   checkpoints = os.listdir(tmp_path / 'lm' / train_loop.CHECKPOINT_DIR)
   assert 'ckpt-6.index' in checkpoints
 
+
+
+def test_the_launcher_starts_without_loading_tensorflow():
+  # It re-executes itself and supervises; loading TensorFlow would cost
+  # seconds per launch and its C++ start-up log.
+  code = ('import sys; import tfpipe.launcher; '
+          'assert "tensorflow" not in sys.modules, sorted(sys.modules)')
+  subprocess.run([sys.executable, '-c', code], check=True, timeout=60,
+                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(
+                     __file__))))

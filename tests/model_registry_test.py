@@ -7,7 +7,7 @@ from tfpipe import hyperparams
 from tfpipe import model_registry
 
 
-def testNamesDeriveFromModulePath():
+def test_names_derive_from_module_path():
   names = model_registry.ListModels()
   for name in ('lm.TinyTransformerLm', 'lm.SmallTransformerLm',
                'lm.LargeTransformerLm', 'image.TinyConvClassifier',
@@ -19,7 +19,7 @@ def testNamesDeriveFromModulePath():
   assert classes['lm.TinyTransformerLm'].__name__ == 'TinyTransformerLm'
 
 
-def testNestedPackagesGiveDottedNames():
+def test_nested_packages_give_dotted_names():
 
   class Nested(base_model_params.SingleTaskModelParams):
     pass
@@ -32,12 +32,12 @@ def testNestedPackagesGiveDottedNames():
     model_registry._REGISTRY.pop('research.lm.Nested', None)  # pylint: disable=protected-access
 
 
-def testGetClassImportsOnDemand():
+def test_get_class_imports_on_demand():
   cls = model_registry.GetClass('mlp.TinyMlp')
   assert cls.__module__ == 'params.mlp'
 
 
-def testGetParamsAssemblesTheExperiment():
+def test_get_params_assembles_the_experiment():
   p = model_registry.GetParams('lm.TinyTransformerLm', 'Train')
   assert p.model == 'lm.TinyTransformerLm'
   assert p.input.name == 'train'
@@ -52,7 +52,7 @@ def testGetParamsAssemblesTheExperiment():
   assert q == p
 
 
-def testUnknownNameListsNearMatches():
+def test_unknown_name_lists_near_matches():
   with pytest.raises(model_registry.ModelNotFoundError) as e:
     model_registry.GetClass('lm.TinyTransformerLM')
   assert "Did you mean 'lm.TinyTransformerLm'" in str(e.value)
@@ -61,12 +61,12 @@ def testUnknownNameListsNearMatches():
   assert 'Registered models:' in str(e.value)
 
 
-def testUnknownDatasetNamesWhatExists():
+def test_unknown_dataset_names_what_exists():
   with pytest.raises(ValueError, match=r"dataset='Dev'.*\['Test', 'Train'\]"):
     model_registry.GetParams('mlp.TinyMlp', 'Dev')
 
 
-def testRegisteringOutsideParamsPackageFails():
+def test_registering_outside_params_package_fails():
 
   class Elsewhere(base_model_params.SingleTaskModelParams):
     pass
@@ -77,7 +77,7 @@ def testRegisteringOutsideParamsPackageFails():
     model_registry.RegisterSingleTaskModel(hyperparams.Params)
 
 
-def testDefaultTestInputIsTrainWithAnotherSeed():
+def test_default_test_input_is_train_with_another_seed():
 
   class Config(base_model_params.SingleTaskModelParams):
 

@@ -1,25 +1,34 @@
-"""Tests of tfpipe.multihost without starting any server or process.
+"""Tests of tfpipe.multihost without starting any TensorFlow server or process.
 
 Protected properties: the flags and their safe defaults (loopback bind, one
 replica); which process serves (workers) and which trains (controller or no
 cluster); that SetUpController validates before connecting, waits for the
 workers before connecting, and places the R x K pipeline replica-major on
-the workers; that the controller routes checkpoint IO through its own CPU;
-and that Run stops its watchdog. The cluster calls that would touch the
-network are replaced by recorders (tests/cluster_test.py and
-tests/launcher_test.py cover real servers).
+the workers; that R replicas compute the gradients of one pipeline over the
+same batch; that the controller routes checkpoint IO through its own CPU;
+that Run stops its watchdog; and that the watchdog reports a lost worker
+(against sockets that accept but never answer, which is what a stopped
+worker looks like) within its bound. The server calls that would touch the
+network are replaced by recorders (tests/launcher_test.py covers real
+servers). Everything binds to 127.0.0.1 only.
 """
 
 import functools
 import json
+import threading
+import time
 
 from absl import flags
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpipe import cluster
+from tests import servers_test
+from tfpipe import cluster_spec
 from tfpipe import hyperparams
+from tfpipe import model_registry
 from tfpipe import multihost
+from tfpipe import servers
 
 _SPEC = 'controller=127.0.0.1:1; worker=127.0.0.1:2,127.0.0.1:3'
 
@@ -37,24 +46,23 @@ def _FlagValues(monkeypatch, argv=(), controller_flags=True):
 
 @pytest.fixture(name='calls')
 def _Calls(monkeypatch):
-  """Replaces the cluster's network calls with recorders."""
+  """Replaces the servers' network calls with recorders."""
   monkeypatch.delenv('TF_CONFIG', raising=False)
   calls = []
-  monkeypatch.setattr(cluster, 'WaitForTasks', lambda tasks, timeout_s: (
+  monkeypatch.setattr(servers, 'WaitForTasks', lambda tasks, timeout_s: (
       calls.append(('wait', list(tasks), timeout_s))))
-  monkeypatch.setattr(cluster, 'ConnectToCluster', lambda *args: (
+  monkeypatch.setattr(servers, 'ConnectToCluster', lambda *args: (
       calls.append(('connect',) + args)))
-  monkeypatch.setattr(cluster, 'Serve', lambda *args: (
+  monkeypatch.setattr(servers, 'Serve', lambda *args: (
       calls.append(('serve',) + args)))
   return calls
 
 
-def _Params(num_partitions=2, num_replicas=1, with_replicas=True):
+def _Params(num_partitions=2, num_replicas=1):
   pipeline = hyperparams.Params()
   pipeline.Define('num_partitions', num_partitions, '')
   pipeline.Define('devices', None, '')
-  if with_replicas:
-    pipeline.Define('num_replicas', num_replicas, '')
+  pipeline.Define('num_replicas', num_replicas, '')
   task = hyperparams.Params()
   task.Define('pipeline', pipeline, '')
   p = hyperparams.Params()
@@ -62,18 +70,21 @@ def _Params(num_partitions=2, num_replicas=1, with_replicas=True):
   return p
 
 
-def testFlagDefaults(monkeypatch):
+def test_flag_defaults(monkeypatch):
   values = _FlagValues(monkeypatch)
   assert values.job == '' and values.task is None
   assert values.cluster_spec == '' and values.bind_address == '127.0.0.1'
-  assert values.devices_per_worker == 1 and values.num_replicas == 1
+  assert values.devices_per_worker == 1
   assert values.watchdog_timeout_s > 0 and values.watchdog_max_failures >= 1
+  # --num_replicas is the trainer's (task.pipeline.num_replicas), not the
+  # cluster's: it means the same with or without one.
+  assert 'num_replicas' not in values
   worker = _FlagValues(monkeypatch, controller_flags=False)
-  assert 'num_replicas' not in worker and 'watchdog_interval_s' not in worker
+  assert 'watchdog_interval_s' not in worker
   assert worker.bind_address == '127.0.0.1'
 
 
-def testClusterFromFlags(monkeypatch):
+def test_cluster_from_flags(monkeypatch):
   none = _FlagValues(monkeypatch)
   assert multihost.ClusterFromFlags(none, environ={}) is None
   job_only = _FlagValues(monkeypatch, ['--job=worker'])
@@ -91,7 +102,7 @@ def testClusterFromFlags(monkeypatch):
   assert (job, task) == ('worker', 0)
 
 
-def testOnlyWorkersServe(monkeypatch, calls):
+def test_only_workers_serve(monkeypatch, calls):
   assert not multihost.MaybeServe(_FlagValues(monkeypatch))
   controller = _FlagValues(monkeypatch, ['--job=controller',
                                          f'--cluster_spec={_SPEC}'])
@@ -107,11 +118,11 @@ def testOnlyWorkersServe(monkeypatch, calls):
   assert spec.as_dict()['controller'] == ['127.0.0.1:1']
 
 
-def testSetUpControllerPlacesReplicasOnWorkers(monkeypatch, calls, capsys):
+def test_set_up_controller_places_replicas_on_workers(monkeypatch, calls, capsys):
   values = _FlagValues(monkeypatch, [
-      '--job=controller', f'--cluster_spec={_SPEC}', '--num_replicas=2',
+      '--job=controller', f'--cluster_spec={_SPEC}',
       '--devices_per_worker=2'])
-  p = _Params(num_partitions=2)
+  p = _Params(num_partitions=2, num_replicas=2)
   controller = multihost.SetUpController(values, p)
   pipeline = p.task.pipeline
   assert pipeline.num_replicas == 2
@@ -132,28 +143,22 @@ def testSetUpControllerPlacesReplicasOnWorkers(monkeypatch, calls, capsys):
   assert 'device mesh: 2 replica(s) x 2 stage(s)' in capsys.readouterr().out
 
 
-def testSetUpControllerValidatesBeforeConnecting(monkeypatch, calls):
-  with pytest.raises(ValueError, match='--num_replicas=0'):
-    multihost.SetUpController(
-        _FlagValues(monkeypatch, ['--num_replicas=0']), _Params())
-  with pytest.raises(ValueError, match='needs task.pipeline.num_replicas'):
-    multihost.SetUpController(
-        _FlagValues(monkeypatch, ['--num_replicas=2']),
-        _Params(with_replicas=False))
+def test_set_up_controller_validates_before_connecting(monkeypatch, calls):
   no_workers = _FlagValues(monkeypatch, [
       '--job=controller', '--cluster_spec=controller=127.0.0.1:1'])
   with pytest.raises(ValueError, match='no "worker" job'):
     multihost.SetUpController(no_workers, _Params())
   assert not calls
-  # Without a cluster: only the replica count is set; nothing connects.
-  p = _Params(with_replicas=False)
+  # Without a cluster nothing connects and nothing is placed.
+  p = _Params()
   assert multihost.SetUpController(_FlagValues(monkeypatch), p) is None
   assert p.task.pipeline.devices is None and not calls
 
 
-def testControllerCheckpointIoGoesThroughItsCpu(monkeypatch, tmp_path):
+def test_controller_checkpoint_io_goes_through_its_cpu(monkeypatch, tmp_path):
   values = _FlagValues(monkeypatch)
-  spec = cluster.ParseClusterSpec('localhost=127.0.0.1:1;worker=127.0.0.1:2')
+  spec = cluster_spec.ParseClusterSpec(
+      'localhost=127.0.0.1:1;worker=127.0.0.1:2')
   controller = multihost.Controller(values, spec, 'localhost', 0)
   # job:localhost task 0 is this process, so the io device really exists.
   assert controller.io_device == '/job:localhost/replica:0/task:0/device:CPU:0'
@@ -178,12 +183,101 @@ def testControllerCheckpointIoGoesThroughItsCpu(monkeypatch, tmp_path):
   assert v.numpy().tolist() == [1.0, 2.0]
 
 
-def testRunReturnsAndStopsTheWatchdog(monkeypatch):
+def test_run_returns_and_stops_the_watchdog(monkeypatch):
   values = _FlagValues(monkeypatch, ['--watchdog_interval_s=60'])
-  spec = cluster.ParseClusterSpec(_SPEC)
+  spec = cluster_spec.ParseClusterSpec(_SPEC)
   controller = multihost.Controller(values, spec, 'controller', 0)
   assert controller.watchdog.interval_s == 60
   assert controller.Run(lambda: 'done') == 'done'
   thread = controller.watchdog._thread  # pylint: disable=protected-access
   assert thread is not None and not thread.is_alive()
   assert controller.watchdog.lost is None
+
+
+@pytest.mark.parametrize('stopped', [True, False])
+def test_watchdog_reports_the_lost_worker_within_its_bound(stopped):
+  server = servers_test.SilentServer() if stopped else None
+  address = server.address if stopped else servers_test.ClosedPortAddress()
+  lost = []
+  done = threading.Event()
+  watchdog = multihost.Watchdog(
+      [('/job:worker/task:1', address)], interval_s=0.2, timeout_s=0.3,
+      max_failures=2, on_lost=lambda m: (lost.append(m), done.set()))
+  start = time.monotonic()
+  watchdog.Start()
+  try:
+    assert done.wait(watchdog.bound_s + 2)
+  finally:
+    watchdog.Stop()
+    if server:
+      server.close()
+  assert time.monotonic() - start <= watchdog.bound_s + 1
+  assert lost[0].startswith(
+      f'Worker /job:worker/task:1 at {address} is unreachable')
+
+
+def test_watchdog_leaves_an_answering_worker_alone():
+  server = servers_test.SettingsServer()
+  lost = []
+  watchdog = multihost.Watchdog(
+      [('/job:worker/task:0', server.address)], interval_s=0.05,
+      timeout_s=1.0, max_failures=1, on_lost=lost.append)
+  try:
+    failures = {}
+    for _ in range(3):
+      assert watchdog.CheckOnce(failures) is None
+    assert failures == {'/job:worker/task:0': 0}
+  finally:
+    server.close()
+  assert not lost
+
+
+TINY_LM = ('task.model.num_layers: 1; task.model.model_dim: 16; '
+           'task.model.hidden_dim: 32; task.model.num_heads: 2; '
+           'input.batch_size: 8; eval_input.batch_size: 8; '
+           'task.eval.num_batches: 1; task.pipeline.num_partitions: 2; '
+           'task.pipeline.num_micro_batches: 2')
+
+
+def TinyTaskParams(num_replicas, devices):
+  """The tiny LM's params with R replicas on `devices` (shared with tests)."""
+  p = model_registry.GetParams('lm.TinyTransformerLm', 'Train')
+  p.FromText(TINY_LM)
+  p.task.pipeline.Set(num_replicas=num_replicas, devices=devices)
+  return p
+
+
+def test_replicas_give_the_gradients_of_one_pipeline_over_the_same_batch():
+  """R=2 x K=2 on four logical CPUs == R=1 x K=2 over the same global batch."""
+  p1 = TinyTaskParams(1, ['/CPU:0', '/CPU:1'])
+  p2 = TinyTaskParams(2, ['/CPU:0', '/CPU:1', '/CPU:2', '/CPU:3'])
+  batch = next(iter(p1.input.Instantiate().GetDataset(0)))
+  results = []
+  for p in (p1, p2):
+    task = p.task.Instantiate()
+    assert task.pipe.num_replicas == p.task.pipeline.num_replicas
+    out = task.pipe.ComputeLossAndGradients(*batch, task.model.Loss,
+                                            step=tf.constant(0, tf.int64))
+    results.append((out.loss.numpy(), [g.numpy() for g in out.gradients]))
+  np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+  assert len(results[0][1]) == len(results[1][1])
+  for g1, g2 in zip(results[0][1], results[1][1]):
+    np.testing.assert_allclose(g2, g1, rtol=1e-5, atol=1e-7)
+
+
+def test_num_replicas_is_a_pipeline_setting_with_or_without_a_cluster():
+  """--num_replicas overrides task.pipeline.num_replicas like --num_partitions.
+
+  It is the trainer's flag: without a cluster the R replicas go to local
+  devices; with one, SetUpController places them on the workers.
+  """
+  from tfpipe.trainer import trainer  # pylint: disable=g-import-not-at-top
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(['trainer', '--model=lm.TinyTransformerLm', '--num_replicas=2',
+               '--num_partitions=2'])
+  try:
+    p = trainer.BuildParams()
+    assert p.task.pipeline.num_replicas == 2
+    assert trainer.NumDevicesNeeded(p)[0] == 4
+  finally:
+    flags.FLAGS.unparse_flags()

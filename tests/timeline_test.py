@@ -37,7 +37,8 @@ def _Loss(y, unused_targets):
   return tf.reduce_mean(tf.square(y))
 
 
-@pytest.fixture(scope='module', params=[('gpipe', 'always'), ('1f1b', 'never')])
+@pytest.fixture(scope='module', params=[('gpipe', 'always'), ('1f1b', 'never'),
+                                        ('zb_h1', 'never')])
 def recorded(request):
   schedule, remat = request.param
   pipe = _Pipe(3, 4, schedule, remat)
@@ -47,8 +48,9 @@ def recorded(request):
 
 def testEveryActionOnce(recorded):
   s = recorded.schedule
-  expected = {schedule_lib.Action(kind, m, k)
-              for kind in (schedule_lib.FORWARD, schedule_lib.BACKWARD)
+  kinds = [schedule_lib.FORWARD, schedule_lib.BACKWARD] + (
+      [schedule_lib.WEIGHT] if s.splits_backward else [])
+  expected = {schedule_lib.Action(kind, m, k) for kind in kinds
               for m in range(s.num_micro_batches) for k in range(s.num_cells)}
   listed = [a for acts in s.device_actions for a in acts]
   assert len(listed) == len(set(listed)) == len(expected)
@@ -77,7 +79,9 @@ def testBubbleAndPrediction(recorded):
   summary = recorded.Summary()
   assert 'measured' in summary and 'predicted' in summary
   d = recorded.AsDict()
-  assert len(d['actions']) == 2 * 3 * 4
+  kinds = 3 if recorded.schedule.splits_backward else 2
+  assert len(d['actions']) == kinds * 3 * 4
+  assert len(d['weight_costs_s']) == (3 if kinds == 3 else 0)
 
 
 def testTextHasOneRowPerDevice(recorded):
@@ -115,3 +119,16 @@ def testFromActionTimesOnSimulatedTimes():
   assert tl.predicted.makespan == pytest.approx(sim.makespan)
   assert tl.forward_costs == pytest.approx([1.0] * 3)
   assert tl.backward_costs == pytest.approx([2.0] * 3)
+
+
+def test_weight_actions_get_their_own_costs_in_the_prediction():
+  s = gpipe.schedule.ZeroBubbleH1Schedule(2, 4)
+  sim = gpipe.Simulate(s, [1.0, 1.0], [1.5, 1.5], weight_costs=[0.5, 0.5])
+  tl = timeline.FromActionTimes(s, {a: (sim.start_times[a], sim.end_times[a])
+                                    for a in sim.start_times})
+  assert tl.backward_costs == pytest.approx([1.5, 1.5])
+  assert tl.weight_costs == pytest.approx([0.5, 0.5])
+  assert tl.predicted.makespan == pytest.approx(sim.makespan)
+  assert 'per-cell W ms' in tl.Summary()
+  assert timeline.ForwardBackwardRatio(tl) == pytest.approx(2.0)
+  assert 'W3' in tl.Text()

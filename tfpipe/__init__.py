@@ -3,15 +3,15 @@
 Data flows one way through the package:
   hyperparams -> base_layer -> layers -> gpipe (partition, microbatch,
   schedule, executor) -> trainer; `tfpipe.keras` wraps Keras models into the
-  same engine and `tfpipe.cluster` names devices, local and multi-host.
+  same engine; `tfpipe.devices` splits local devices and `tfpipe.multihost`
+  runs the pipeline on the workers of a cluster.
 """
+
+from tfpipe import lazy_exports
 
 __version__ = '0.1.0'
 
-
-def __getattr__(name):
-  """Imports `tfpipe.keras` on first use, so `import tfpipe` stays light."""
-  if name == 'keras':
-    import importlib  # pylint: disable=g-import-not-at-top
-    return importlib.import_module('tfpipe.keras')
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+# `tfpipe.keras` is imported on first use, so `import tfpipe` stays light.
+__getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
+    'keras': [],
+})

@@ -83,15 +83,21 @@ def MapShapes(fn, shape):
 class _StepContext(threading.local):
   """Per-thread state that the pipeline executor sets around a cell's forward.
 
-  `seed` is a [2] int32 tensor unique to (step, micro-batch); random layers
-  derive stateless seeds from it so a re-materialized forward reproduces the
-  original random values. `stats_collector` gathers statistics that layers
-  such as batch norm want applied once per step rather than per micro-batch.
+  `seed` is a [2] int64 tensor: seed[0] is unique to the step, seed[1] to the
+  micro-batch (and replica) within it. Random layers derive stateless seeds
+  from it so a re-materialized forward reproduces the original random values.
+  `example_offset` is the index, within the whole (unsplit) batch, of the
+  micro-batch's first example: with seed[0] it lets a layer draw randomness
+  per example that does not depend on how the batch was split. None outside a
+  pipeline step, or when the engine does not know it. `stats_collector`
+  gathers statistics that layers such as batch norm want applied once per
+  step rather than per micro-batch.
   """
 
   def __init__(self):
     super().__init__()
     self.seed = None
+    self.example_offset = None
     self.stats_collector = None
     self.recomputing = False
 
@@ -100,18 +106,31 @@ _STEP_CONTEXT = _StepContext()
 
 
 @contextlib.contextmanager
-def StepSeed(seed):
-  """Makes random layers use stateless randomness derived from `seed`."""
-  old = _STEP_CONTEXT.seed
+def StepSeed(seed, example_offset=None):
+  """Makes random layers use stateless randomness derived from `seed`.
+
+  Args:
+    seed: [2] int tensor; seed[0] identifies the step, seed[1] the
+      micro-batch within it.
+    example_offset: scalar int tensor (or int), the position in the whole
+      batch of this micro-batch's first example; None if unknown.
+  """
+  old = (_STEP_CONTEXT.seed, _STEP_CONTEXT.example_offset)
   _STEP_CONTEXT.seed = seed
+  _STEP_CONTEXT.example_offset = example_offset
   try:
     yield
   finally:
-    _STEP_CONTEXT.seed = old
+    _STEP_CONTEXT.seed, _STEP_CONTEXT.example_offset = old
 
 
 def CurrentStepSeed():
   return _STEP_CONTEXT.seed
+
+
+def CurrentExampleOffset():
+  """Index in the whole batch of the current micro-batch's first example."""
+  return _STEP_CONTEXT.example_offset
 
 
 @contextlib.contextmanager
@@ -145,6 +164,142 @@ def IsRecomputing():
   return _STEP_CONTEXT.recomputing
 
 
+# ---- step randomness ---------------------------------------------------------
+#
+# Random layers draw from the step context, never from a stateful generator,
+# so a recomputed forward repeats the first draw exactly. When the engine
+# passes the micro-batch's example offset, the bits of element j of example i
+# are a pure function of (seed[0], salt, offset + i, j):
+#
+#   key     = mix(mix(mix(salt) ^ lo32(seed[0])) ^ hi32(seed[0]))
+#   example = mix(key ^ mix(golden * (offset + i) + 1))
+#   bits    = mix(example ^ mix(golden * j + 2))
+#
+# (mix is murmur3's 32-bit finalizer, a bijection with full avalanche). So
+# dropout masks do not depend on how the batch is split into micro-batches
+# (M), on which cell a layer lands in (K, via the salt: see
+# BaseLayer.SeedPath), nor on the replica. Without the offset the bits are a
+# stateless draw seeded per (step, micro-batch), which is still repeated
+# exactly by a recompute but changes with M.
+
+_GOLDEN = 0x9E3779B9
+
+
+def _U32(value):
+  return tf.constant(value, tf.uint32)
+
+
+def _Mix32(h):
+  """murmur3's fmix32 on a uint32 tensor."""
+  h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, _U32(16)))
+  h = h * _U32(0x85EBCA6B)
+  h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, _U32(13)))
+  h = h * _U32(0xC2B2AE35)
+  return tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, _U32(16)))
+
+
+def _Low32(x):
+  """The low 32 bits of an integer tensor, as uint32 (casts wrap)."""
+  return tf.cast(tf.cast(x, tf.int64), tf.uint32)
+
+
+def _StepKey(step_part, salt):
+  """A uint32 scalar mixing seed[0] (all 64 bits) with a layer's salt."""
+  step_part = tf.cast(step_part, tf.int64)
+  key = _Mix32(_Mix32(_U32(salt & 0xFFFFFFFF)) ^ _Low32(step_part))
+  return _Mix32(key ^ _Low32(tf.bitwise.right_shift(step_part, 32)))
+
+
+def SaltedStepSeed(salt):
+  """A [2] int64 seed for tf.random.stateless_* ops, or None outside a step.
+
+  seed[0] of the step is mixed with `salt` (an int, e.g. a hash of a layer's
+  path), seed[1] (the micro-batch) is kept. Draws from it are repeated by a
+  recompute, but change with M; see StepRandomBits for draws that do not.
+  """
+  seed = CurrentStepSeed()
+  if seed is None:
+    return None
+  seed = tf.cast(seed, tf.int64)
+  key = tf.cast(_StepKey(seed[0], salt), tf.int64)
+  return tf.stack([key, seed[1]])
+
+
+def StepRandomBits(shape, salt, per_example=True, shared_across_batch=False):
+  """uint32 random bits of `shape` for this step, or None outside a step.
+
+  Args:
+    shape: the shape (list, TensorShape or int tensor); axis 0 is the batch.
+    salt: int that tells this draw apart from other layers' (same for the
+      same layer in every partition; see BaseLayer.SeedSalt).
+    per_example: False when axis 0 is not the pipeline's batch (e.g. a
+      layer inside a Keras wrapper that folds time into the batch): the bits
+      are then drawn per micro-batch.
+    shared_across_batch: draw one slice (shape[0] must be 1) that every
+      example shares, e.g. a dropout noise_shape of (1, ...): it is the
+      same for every micro-batch too.
+
+  Returns:
+    With CurrentExampleOffset() known and per_example, bits that depend only
+    on (seed[0], salt, global example index, element index), so they do not
+    depend on M or K (see the comment above). Otherwise stateless bits
+    seeded by (step, micro-batch, salt).
+  """
+  seed = CurrentStepSeed()
+  if seed is None:
+    return None
+  shape = tf.cast(tf.convert_to_tensor(shape), tf.int32)
+  offset = CurrentExampleOffset()
+  if offset is None or not per_example:
+    return tf.random.stateless_uniform(
+        shape, SaltedStepSeed(salt), minval=None, maxval=None,
+        dtype=tf.uint32)
+  key = _StepKey(tf.cast(seed, tf.int64)[0], salt)
+  if shared_across_batch:
+    examples = tf.zeros([1], tf.int64)
+  else:
+    examples = tf.cast(offset, tf.int64) + tf.range(
+        shape[0], dtype=tf.int64)
+  golden = _U32(_GOLDEN)
+  example_keys = _Mix32(key ^ _Mix32(_Low32(examples) * golden + _U32(1)))
+  elements = tf.range(tf.reduce_prod(shape[1:]), dtype=tf.int32)
+  element_keys = _Mix32(_Low32(elements) * golden + _U32(2))
+  bits = _Mix32(example_keys[:, tf.newaxis] ^ element_keys[tf.newaxis, :])
+  return tf.reshape(bits, shape)
+
+
+def StepUniform(shape, salt, dtype=tf.float32, per_example=True,
+                shared_across_batch=False):
+  """Uniform values in (0, 1) from StepRandomBits (24 bits); None outside a step."""
+  bits = StepRandomBits(shape, salt, per_example, shared_across_batch)
+  if bits is None:
+    return None
+  values = (tf.cast(tf.bitwise.right_shift(bits, _U32(8)), tf.float32) +
+            0.5) * (1.0 / (1 << 24))
+  return tf.cast(values, dtype)
+
+
+def StepNormal(shape, salt, dtype=tf.float32, per_example=True,
+               shared_across_batch=False):
+  """Standard normal values (inverse CDF of StepUniform); None outside a step."""
+  uniform = StepUniform(shape, salt, tf.float32, per_example,
+                        shared_across_batch)
+  if uniform is None:
+    return None
+  return tf.cast(tf.math.ndtri(uniform), dtype)
+
+
+def StepKeepMask(shape, keep_prob, salt, per_example=True,
+                 shared_across_batch=False):
+  """Bool mask, True with probability keep_prob; None outside a step."""
+  bits = StepRandomBits(shape, salt, per_example, shared_across_batch)
+  if bits is None:
+    return None
+  if keep_prob >= 1.0:
+    return tf.ones_like(bits, tf.bool)
+  return bits < _U32(min(int(round(keep_prob * 2.0**32)), 2**32 - 1))
+
+
 class DeferredStatsCollector:
   """Gathers statistics that layers want applied once per step, not per micro-batch.
 
@@ -160,10 +315,18 @@ class DeferredStatsCollector:
   def __init__(self):
     self._records = {}
     self._layers = {}
+    self._devices = {}
 
-  def Add(self, layer, stats, count):
+  def Add(self, layer, stats, count, device=None):
+    """Records one micro-batch's statistics; `device` is where they were made.
+
+    The merge and the update run on the device of the layer's first record
+    (its stage's device), next to the layer's variables, rather than
+    wherever the caller happens to be.
+    """
     key = id(layer)
     self._layers[key] = layer
+    self._devices.setdefault(key, device)
     self._records.setdefault(key, []).append((count, stats))
 
   def __len__(self):
@@ -173,10 +336,13 @@ class DeferredStatsCollector:
     """Applies every layer's merged statistics; returns the update ops (graph mode)."""
     updates = []
     for key, records in self._records.items():
-      update = self._layers[key].ApplyDeferredStats(records)
+      device = self._devices.get(key)
+      with tf.device(device) if device else contextlib.nullcontext():
+        update = self._layers[key].ApplyDeferredStats(records)
       if update is not None:
         updates.append(update)
     self._records.clear()
+    self._devices.clear()
     return updates
 
 
@@ -189,6 +355,11 @@ def _StableHash(text):
 
 class BaseLayer(keras.layers.Layer):
   """Base class of tfpipe layers. Subclass it and override `FProp`."""
+
+  # Whether this layer's name is part of its children's SeedPath. Containers
+  # that the partitioner flattens and cuts into cells (SequentialLayer, and so
+  # every cell) set it False: they differ with the number of partitions.
+  NAMES_CHILD_SEEDS = True
 
   @classmethod
   def Params(cls):
@@ -212,6 +383,7 @@ class BaseLayer(keras.layers.Layer):
     super().__init__(name=params.name, dtype=params.dtype, **kwargs)
     self._params = params.Copy().Freeze()
     self._children = {}
+    self._seed_path = params.name
     self._fprop_accepts_training = (
         'training' in inspect.signature(self.FProp).parameters)
 
@@ -236,6 +408,7 @@ class BaseLayer(keras.layers.Layer):
     child = p.Instantiate()
     self._children[name] = child
     setattr(self, name, child)
+    self._ScopeChildSeeds(child)
     return child
 
   def CreateChildren(self, name, params_list):
@@ -250,6 +423,8 @@ class BaseLayer(keras.layers.Layer):
       children.append(p.Instantiate())
     self._children[name] = children
     setattr(self, name, children)
+    for child in children:
+      self._ScopeChildSeeds(child)
     return children
 
   @property
@@ -307,19 +482,41 @@ class BaseLayer(keras.layers.Layer):
   def compute_output_shape(self, input_shape):
     return type(self).FPropMeta(self.p, input_shape).output_shape
 
+  # ---- randomness ---------------------------------------------------------
+
+  def SeedPath(self):
+    """This layer's name path for seeding, e.g. 'block_0/atten/atten_dropout'.
+
+    The names of the CreateChild chain down to this layer, leaving out
+    containers with NAMES_CHILD_SEEDS False (the pipeline's cells), so a
+    layer draws the same random numbers whichever cell it lands in.
+    """
+    return self._seed_path
+
+  def _ScopeChildSeeds(self, child):
+    if isinstance(child, BaseLayer):
+      child._SetSeedScope(  # pylint: disable=protected-access
+          self._seed_path + '/' if self.NAMES_CHILD_SEEDS else '')
+
+  def _SetSeedScope(self, scope):
+    self._seed_path = scope + self.p.name
+    for value in self._children.values():
+      for child in value if isinstance(value, list) else [value]:
+        self._ScopeChildSeeds(child)
+
+  def SeedSalt(self, salt=''):
+    """An int that tells this layer's random draws (named `salt`) apart."""
+    return _StableHash(self.SeedPath() + salt)
+
   def StatelessSeed(self, salt=''):
     """A [2] seed for stateless random ops, or None outside a pipeline step.
 
-    Derived from the step seed set by the pipeline and this layer's name, so a
-    recomputed forward sees the same random numbers as the original one.
+    Derived from the step seed set by the pipeline and SeedPath(), so a
+    recomputed forward sees the same random numbers as the original one,
+    in whichever cell the layer runs. It changes with the micro-batch: use
+    StepRandomBits (or DropoutLayer) for values that do not depend on M.
     """
-    step_seed = CurrentStepSeed()
-    if step_seed is None:
-      return None
-    offset = tf.constant(
-        [_StableHash((self.path or self.name) + salt), 0],
-        dtype=step_seed.dtype)
-    return step_seed + offset
+    return SaltedStepSeed(self.SeedSalt(salt))
 
   # ---- cost model ---------------------------------------------------------
 

@@ -410,7 +410,9 @@ def _TextToValue(key, text, old):
     if not isinstance(value, (int, float)) or isinstance(value, bool):
       raise ValueError(f'{key}: expected a number, received {text!r}.')
     return type(old)(value) if isinstance(old, float) else value
-  if isinstance(old, str) and not isinstance(value, str):
+  # A name-or-list param (e.g. a pipeline's balance: 'flops' or [2, 4])
+  # takes a list literal as a list; other literals stay the text they were.
+  if isinstance(old, str) and not isinstance(value, (str, list, tuple)):
     return text
   if isinstance(old, (list, tuple)) and isinstance(value, (list, tuple)):
     return type(old)(value)

@@ -1,7 +1,8 @@
 """Multi-process roles of the trainer: workers serve, the controller trains.
 
-This is the glue between absl flags (or TF_CONFIG) and `tfpipe.cluster`, kept
-out of the trainer so that the trainer needs two calls to run anywhere:
+This is the glue between absl flags (or TF_CONFIG) and the cluster modules
+(tfpipe.cluster_spec, tfpipe.servers), kept out of the trainer so that the
+trainer needs two calls to run anywhere:
 
     if multihost.MaybeServe(FLAGS): return 0        # a worker never returns
     controller = multihost.SetUpController(FLAGS, params)
@@ -9,10 +10,20 @@ out of the trainer so that the trainer needs two calls to run anywhere:
     controller.Run(trainer)                           # watchdog + checkpoint IO
 
 A controller places replica r's stage k on a worker device (see
-`cluster.PipelineDevices`), so only the controller's program creates
+`device_names.PipelineDevices`), so only the controller's program creates
 variables and runs steps; it also makes every checkpoint read and write go
 through its own CPU (`experimental_io_device`), so the checkpoint files land
 on the controller's file system whatever worker holds a variable.
+
+Two facts of TensorFlow's runtime shape the controller's watch over its
+workers:
+
+* RPCs to a worker that is stopped or unreachable can hang for minutes, so
+  the controller runs a `Watchdog` that probes every worker
+  (servers.ProbeGrpc) and aborts the process with an error naming the task
+  and its address when one stops answering.
+* Tearing down an eager context whose workers died can hang too, so fatal
+  cluster errors end the process with `os._exit` (status EXIT_WORKER_LOST).
 
 `python -m tfpipe.multihost --job=worker --task=N --cluster_spec=...` is the
 plain worker the launcher starts (the trainer's --job=worker does the same).
@@ -21,8 +32,14 @@ plain worker the launcher starts (the trainer's --job=worker does the same).
 import functools
 import os
 import sys
+import threading
 
-from tfpipe import cluster
+from tfpipe import cluster_spec
+from tfpipe import device_names
+from tfpipe import servers
+
+# Exit status of a controller that lost a worker.
+EXIT_WORKER_LOST = 3
 
 
 def DefineFlags(controller_flags=True):
@@ -30,7 +47,7 @@ def DefineFlags(controller_flags=True):
 
   Args:
     controller_flags: also define the flags only a training controller
-      reads (--num_replicas and the watchdog's).
+      reads (the watchdog's).
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string(
@@ -49,8 +66,6 @@ def DefineFlags(controller_flags=True):
   flags.DEFINE_integer('devices_per_worker', 1,
                        'CPU devices each worker exposes.')
   if controller_flags:
-    flags.DEFINE_integer('num_replicas', 1, 'R: data-parallel pipeline '
-                         'replicas; the pipeline then uses R*K devices.')
     flags.DEFINE_float('watchdog_interval_s', 2.0,
                        'Seconds between liveness probes of each worker.')
     flags.DEFINE_float('watchdog_timeout_s', 3.0,
@@ -65,9 +80,9 @@ def ClusterFromFlags(flag_values, environ=None):
   if not (flag_values.job or flag_values.cluster_spec or
           environ.get('TF_CONFIG')):
     return None
-  resolved = cluster.ResolveCluster(flag_values.cluster_spec,
-                                    flag_values.job or None, flag_values.task,
-                                    environ)
+  resolved = cluster_spec.ResolveCluster(
+      flag_values.cluster_spec, flag_values.job or None, flag_values.task,
+      environ)
   if resolved is None:
     raise ValueError(f'--job={flag_values.job} needs --cluster_spec or '
                      'TF_CONFIG.')
@@ -77,10 +92,10 @@ def ClusterFromFlags(flag_values, environ=None):
 def MaybeServe(flag_values):
   """Serves forever if this process is a worker; False otherwise."""
   resolved = ClusterFromFlags(flag_values)
-  if resolved is None or resolved[1] == cluster.CONTROLLER_JOB:
+  if resolved is None or resolved[1] == cluster_spec.CONTROLLER_JOB:
     return False
   spec, job, task = resolved
-  cluster.Serve(spec, job, task, flag_values.bind_address,
+  servers.Serve(spec, job, task, flag_values.bind_address,
                 flag_values.devices_per_worker)
   return True
 
@@ -92,8 +107,8 @@ class Controller:
     self.spec = spec
     self.job = job
     self.task = task
-    self.workers = cluster.JobTasks(spec, cluster.WORKER_JOB)
-    self.watchdog = cluster.Watchdog(
+    self.workers = cluster_spec.JobTasks(spec, cluster_spec.WORKER_JOB)
+    self.watchdog = Watchdog(
         self.workers, interval_s=flag_values.watchdog_interval_s,
         timeout_s=flag_values.watchdog_timeout_s,
         max_failures=flag_values.watchdog_max_failures)
@@ -113,50 +128,150 @@ class Controller:
 
   def Run(self, fn):
     """fn() under the watchdog; a lost worker ends the process clearly."""
-    return cluster.RunController(fn, self.workers, self.watchdog)
+    return RunController(fn, self.workers, self.watchdog)
 
 
 def SetUpController(flag_values, params):
   """Connects a --job=controller to its workers and places the pipeline.
 
-  Sets params.task.pipeline.devices to R*K worker devices and its
-  num_replicas to --num_replicas, prints the device mesh, and returns a
-  Controller; without a cluster only sets num_replicas and returns None.
+  Sets params.task.pipeline.devices to its R*K worker devices
+  (task.pipeline.num_replicas replicas of num_partitions stages), prints the
+  device mesh, and returns a Controller; without a cluster returns None.
   Must run after the local devices are configured.
   """
   pipeline = params.task.pipeline
-  num_replicas = flag_values.num_replicas
-  if num_replicas < 1:
-    raise ValueError(f'--num_replicas={num_replicas}; give at least 1.')
-  if num_replicas > 1 or 'num_replicas' in pipeline:
-    if 'num_replicas' not in pipeline:
-      raise ValueError('--num_replicas needs task.pipeline.num_replicas, '
-                       'which this trainer does not define.')
-    pipeline.num_replicas = num_replicas
+  num_replicas = pipeline.num_replicas
   resolved = ClusterFromFlags(flag_values)
   if resolved is None:
     return None
   spec, job, task = resolved
-  workers = cluster.JobTasks(spec, cluster.WORKER_JOB)
+  workers = cluster_spec.JobTasks(spec, cluster_spec.WORKER_JOB)
   if not workers:
-    raise ValueError(f'--cluster_spec has no "{cluster.WORKER_JOB}" job; '
-                     'list the workers the pipeline runs on.')
-  cluster.WaitForTasks(workers, timeout_s=60.0)
-  cluster.ConnectToCluster(spec, job, task, flag_values.bind_address)
-  devices = cluster.PipelineDevices(
+    raise ValueError(f'--cluster_spec has no "{cluster_spec.WORKER_JOB}" '
+                     'job; list the workers the pipeline runs on.')
+  servers.WaitForTasks(workers, timeout_s=60.0)
+  servers.ConnectToCluster(spec, job, task, flag_values.bind_address)
+  devices = device_names.PipelineDevices(
       pipeline.num_partitions, len(workers), num_replicas,
       devices_per_worker=flag_values.devices_per_worker)
   pipeline.devices = devices
-  print(cluster.DeviceMeshText(devices, num_replicas), flush=True)
+  print(device_names.DeviceMeshText(devices, num_replicas), flush=True)
   return Controller(flag_values, spec, job, task)
+
+
+# ---- the controller's watch over its workers ---------------------------------
+
+
+def UnreachableMessage(task_name, address, reason):
+  return (f'Worker {task_name} at {address} is unreachable ({reason}). '
+          'Check that its process is running and its port is reachable, '
+          'then restart the job: training resumes from the last checkpoint.')
+
+
+class Watchdog:
+  """Probes every worker on a thread; aborts the process when one is lost.
+
+  A worker is declared lost after `max_failures` consecutive failed probes,
+  so the bound on detection is `bound_s` = max_failures * (interval_s +
+  timeout_s) after it stopped answering.
+  """
+
+  def __init__(self, tasks, interval_s=2.0, timeout_s=3.0, max_failures=2,
+               on_lost=None):
+    """Creates a stopped watchdog; Start() starts it.
+
+    Args:
+      tasks: [(task name, 'host:port')] to probe.
+      interval_s: seconds between rounds of probes.
+      timeout_s: seconds one probe may take.
+      max_failures: consecutive failed probes that make a task lost.
+      on_lost: called with the message when a task is lost; by default
+        prints it and exits the process with EXIT_WORKER_LOST.
+    """
+    self.tasks = list(tasks)
+    self.interval_s = interval_s
+    self.timeout_s = timeout_s
+    self.max_failures = max_failures
+    self._on_lost = on_lost or AbortWorkerLost
+    self._stop = threading.Event()
+    self._thread = None
+    self.lost = None
+
+  @property
+  def bound_s(self):
+    return self.max_failures * (self.interval_s + self.timeout_s)
+
+  def CheckOnce(self, failures):
+    """Probes all tasks, counting `failures`; a message if one is lost."""
+    for name, address in self.tasks:
+      reason = servers.ProbeGrpc(address, self.timeout_s)
+      failures[name] = 0 if reason is None else failures.get(name, 0) + 1
+      if failures[name] >= self.max_failures:
+        return UnreachableMessage(name, address, reason)
+    return None
+
+  def _Run(self):
+    failures = {}
+    while not self._stop.wait(self.interval_s):
+      message = self.CheckOnce(failures)
+      if message and not self._stop.is_set():
+        self.lost = message
+        self._on_lost(message)
+        return
+
+  def Start(self):
+    self._thread = threading.Thread(target=self._Run, name='tfpipe-watchdog',
+                                    daemon=True)
+    self._thread.start()
+    return self
+
+  def Stop(self):
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=self.interval_s + self.timeout_s + 1)
+
+
+def AbortWorkerLost(message):
+  """Prints the message and ends the process now (no hanging teardown)."""
+  print(f'ERROR: {message}', file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(EXIT_WORKER_LOST)  # pylint: disable=protected-access
+
+
+def RunController(fn, tasks, watchdog=None):
+  """Runs fn() with a watchdog; a lost worker ends the process clearly.
+
+  Connection errors raised by TensorFlow (UnavailableError and friends) are
+  traced to the worker that no longer answers, reported, and the process
+  exits with EXIT_WORKER_LOST.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  watchdog = watchdog or Watchdog(tasks)
+  watchdog.Start()
+  try:
+    return fn()
+  except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+          tf.errors.AbortedError, tf.errors.CancelledError,
+          tf.errors.InternalError):
+    for name, address in tasks:
+      reason = servers.ProbeGrpc(address, watchdog.timeout_s)
+      if reason is not None:
+        AbortWorkerLost(UnreachableMessage(name, address, reason))
+    raise
+  finally:
+    watchdog.Stop()
 
 
 def _WorkerMain(argv):
   """`python -m tfpipe.multihost --job=worker --task=N --cluster_spec=...`."""
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
+  from tfpipe import quiet  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}.')
+  verbosity = (flags.FLAGS.verbosity if flags.FLAGS['verbosity'].present
+               else None)
+  quiet.ImportTensorFlow(quiet.ShowStartupLog(verbosity))
   try:
     if not MaybeServe(flags.FLAGS):
       raise ValueError('give --job=worker --task=N --cluster_spec=... '
@@ -166,7 +281,6 @@ def _WorkerMain(argv):
 
 
 if __name__ == '__main__':
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   from absl import app as _app  # pylint: disable=g-import-not-at-top
   DefineFlags(controller_flags=False)
   sys.exit(_app.run(_WorkerMain))

@@ -2,15 +2,17 @@
 
 The simulator (`gpipe.schedule.Simulate`) says what a schedule *should* do on
 ideal exclusive devices. This module records what the runtime *did*: one
-training step is run with `record_times=True`, so every action F(m, k) and
-B(m, k) is bracketed in-graph by `tf.timestamp()` ops, and the timestamps are
-turned into a `Timeline`:
+training step is run with `record_times=True`, so every action F(m, k),
+B(m, k) and (zero-bubble schedules) W(m, k) is bracketed by timestamps (in
+a graph, `tf.timestamp()` ops), and the timestamps are turned into a
+`Timeline`:
 
 * per device, each action's start and end in seconds since the step started;
 * the measured bubble fraction, 1 - busy / (D * makespan);
-* the simulator's prediction for the same schedule, with each cell's forward
-  and backward cost estimated from the measured durations (median over
-  micro-batches), so the two bubbles can be compared directly: the gap is
+* the simulator's prediction for the same schedule, with each cell's forward,
+  backward and weight-gradient cost estimated from the measured durations
+  (median over micro-batches), so the two bubbles can be compared directly:
+  the gap is
   time the runtime lost to something the schedule does not model (dispatch,
   transfers, devices that are not exclusive);
 * a text rendering for terminals (`schedule.TextTimeline` with the measured
@@ -31,8 +33,8 @@ import numpy as np
 
 from tfpipe.gpipe import schedule as schedule_lib
 
-_FORWARD_COLOUR = '#4c72b0'
-_BACKWARD_COLOUR = '#dd8452'
+_COLOURS = {schedule_lib.FORWARD: '#4c72b0', schedule_lib.BACKWARD: '#dd8452',
+            schedule_lib.WEIGHT: '#55a868'}
 
 
 def _ImportPyplotFree():
@@ -59,8 +61,10 @@ class Timeline:
     start_times: {Action: seconds since the step's first action started}.
     end_times: {Action: seconds since the step's first action started}.
     forward_costs: estimated forward seconds of each cell (median measured).
-    backward_costs: estimated backward seconds of each cell (median measured).
+    backward_costs: estimated backward (B) seconds of each cell.
     predicted: `SimulationResult` of the schedule with those costs.
+    weight_costs: estimated weight-gradient (W) seconds of each cell; empty
+      for schedules without W actions.
   """
   schedule: schedule_lib.Schedule
   start_times: Dict[schedule_lib.Action, float]
@@ -68,6 +72,7 @@ class Timeline:
   forward_costs: List[float]
   backward_costs: List[float]
   predicted: schedule_lib.SimulationResult
+  weight_costs: List[float] = dataclasses.field(default_factory=list)
 
   @property
   def num_devices(self):
@@ -131,6 +136,7 @@ class Timeline:
         'device_busy_s': self.DeviceBusy(),
         'forward_costs_s': list(self.forward_costs),
         'backward_costs_s': list(self.backward_costs),
+        'weight_costs_s': list(self.weight_costs),
         'actions': [
             {'device': d, 'kind': a.kind, 'micro_batch': a.micro_batch,
              'cell': a.cell, 'start_s': self.start_times[a],
@@ -159,10 +165,13 @@ class Timeline:
         '  per-cell B ms: ' + ' '.join(
             f'{c * 1e3:.2f}' for c in self.backward_costs),
     ]
+    if self.weight_costs:
+      lines.append('  per-cell W ms: ' + ' '.join(
+          f'{c * 1e3:.2f}' for c in self.weight_costs))
     return '\n'.join(lines)
 
   def SavePng(self, path, title=None, show_prediction=True, dpi=110):
-    """Draws per-device rows of F and B boxes labelled with micro-batches.
+    """Draws per-device rows of F, B and W boxes labelled with micro-batches.
 
     With `show_prediction`, a second panel draws the simulator's timeline on
     the same time axis. Needs matplotlib (see module docstring).
@@ -186,9 +195,7 @@ class Timeline:
         for a in acts:
           s = (starts[a] - t0) * 1e3
           w = (ends[a] - starts[a]) * 1e3
-          colour = (_FORWARD_COLOUR if a.kind == schedule_lib.FORWARD else
-                    _BACKWARD_COLOUR)
-          ax.broken_barh([(s, w)], (d - 0.4, 0.8), facecolors=colour,
+          ax.broken_barh([(s, w)], (d - 0.4, 0.8), facecolors=_COLOURS[a.kind],
                          edgecolors='black', linewidth=0.4)
           label = f'{a.micro_batch}' + (f'.{a.cell}' if label_cells else '')
           if w > span / 150:
@@ -200,7 +207,8 @@ class Timeline:
       ax.set_xlim(0, span * 1.01)
       ax.set_title(f'{name}: bubble {bubble:.1%}', fontsize=9)
     axes[-1].set_xlabel('ms since step start  (blue: forward F, orange: '
-                        'backward B; numbers: micro-batch)')
+                        'backward B, green: weight gradient W; numbers: '
+                        'micro-batch)')
     s = self.schedule
     fig.suptitle(title or f'{s.name} K={s.num_cells} M={s.num_micro_batches}',
                  fontsize=11)
@@ -210,22 +218,27 @@ class Timeline:
 
 
 def EstimateCellCosts(schedule, start_times, end_times):
-  """Median measured forward and backward seconds of each cell."""
-  fwd, bwd = [], []
+  """Median measured F, B and W seconds of each cell: (fwd, bwd, weight).
+
+  `weight` is empty for a schedule without W actions.
+  """
+  fwd, bwd, weight = [], [], []
+  kinds = [(schedule_lib.FORWARD, fwd), (schedule_lib.BACKWARD, bwd)]
+  if schedule.splits_backward:
+    kinds.append((schedule_lib.WEIGHT, weight))
   for k in range(schedule.num_cells):
-    for kind, out in ((schedule_lib.FORWARD, fwd), (schedule_lib.BACKWARD,
-                                                    bwd)):
+    for kind, out in kinds:
       durations = [end_times[a] - start_times[a] for a in start_times
                    if a.cell == k and a.kind == kind]
       out.append(float(np.median(durations)) if durations else 0.0)
-  return fwd, bwd
+  return fwd, bwd, weight
 
 
 def FromActionTimes(schedule, action_times, replica=None):
   """Builds a Timeline from `LossAndGradients.action_times`.
 
   Args:
-    schedule: the schedule that ran (`pipe.Executor(M).schedule`).
+    schedule: the schedule that ran (`pipe.Schedule(M)`).
     action_times: {Action: (start, end)} timestamps (tensors or floats), or
       {(replica, Action): ...} for a pipeline with several replicas.
     replica: which replica to keep when keys are (replica, Action) pairs
@@ -251,9 +264,11 @@ def FromActionTimes(schedule, action_times, replica=None):
   t0 = min(s for s, _ in times.values())
   start_times = {a: s - t0 for a, (s, _) in times.items()}
   end_times = {a: e - t0 for a, (_, e) in times.items()}
-  fwd, bwd = EstimateCellCosts(schedule, start_times, end_times)
-  predicted = schedule_lib.Simulate(schedule, fwd, bwd)
-  return Timeline(schedule, start_times, end_times, fwd, bwd, predicted)
+  fwd, bwd, weight = EstimateCellCosts(schedule, start_times, end_times)
+  predicted = schedule_lib.Simulate(schedule, fwd, bwd,
+                                    weight_costs=weight or None)
+  return Timeline(schedule, start_times, end_times, fwd, bwd, predicted,
+                  weight)
 
 
 def RecordStep(pipe, inputs, targets, loss_fn, warmup_steps=1, step=None,
@@ -281,7 +296,7 @@ def RecordStep(pipe, inputs, targets, loss_fn, warmup_steps=1, step=None,
                                        record_times=True)
   actions = [k[1] if len(k) == 2 else k for k in out.action_times]
   num_micro_batches = 1 + max(a.micro_batch for a in actions)
-  sched = pipe.Executor(num_micro_batches, replica).schedule
+  sched = pipe.Schedule(num_micro_batches, replica)
   return FromActionTimes(sched, out.action_times,
                          replica if pipe.num_replicas > 1 else None)
 
@@ -311,6 +326,7 @@ def DependencyViolations(tl, tolerance=0.0):
 
 
 def ForwardBackwardRatio(tl: Timeline) -> Optional[float]:
-  """Measured total backward / forward time (2 is the textbook ratio)."""
+  """Measured total backward (B and W) / forward time (2 is the textbook
+  ratio)."""
   f = sum(tl.forward_costs)
-  return sum(tl.backward_costs) / f if f > 0 else None
+  return (sum(tl.backward_costs) + sum(tl.weight_costs)) / f if f > 0 else None

@@ -1,57 +1,78 @@
 #!/usr/bin/env python3
-"""Writes tfpipe's top-level Bazel BUILD file from the source tree.
+"""Writes tfpipe's Bazel BUILD files, one per Python package, from the tree.
 
-    python tools/build_targets.py          # rewrite BUILD
-    python tools/build_targets.py --check  # exit 1 if BUILD is out of date
+    python tools/build_targets.py          # rewrite every BUILD file
+    python tools/build_targets.py --check  # exit 1 if any is out of date
     python tools/build_targets.py --git    # only git-tracked/staged files
     bazel run //:build_targets             # same as the first, via Bazel
 
-The BUILD file is derived, never hand-edited: run this after adding, removing
-or renaming a module or test, or after changing imports between modules.
-`tests/build_test.py` fails when BUILD misses a file or is stale.
+Run it after adding, removing or renaming a module or test, or changing
+imports; tests/build_test.py fails when a BUILD file is stale. As in Lingvo,
+each directory of Python files under tfpipe/, models/, params/, benchmarks/,
+tools/ and tests/ gets a BUILD file with:
 
-Targets (all in the root package, so labels are `//:<name>`):
+* a `py_library` per module, named after it (`//tfpipe/gpipe:schedule`);
+  a package's `__init__.py` is `:init`.
+* a `py_test` per `*_test.py` (`//tests/gpipe:schedule_test`), which runs the
+  file under pytest through tests/bazel_pytest_main.py. A test file that
+  others import also gets a `py_library` `<name>_lib`.
+* for a package whose `__init__.py` re-exports names lazily
+  (tfpipe/lazy_exports.py), a bundle named after the package
+  (`//tfpipe/gpipe`) of the modules its table names.
 
-* `py_library` per module under tfpipe/, models/, params/ (and per helper
-  module under tests/ that is not a test). Names: the path without `.py`,
-  with `tfpipe/` dropped and `/` turned into `_`; a package's `__init__.py`
-  is `<package>_init`. E.g. tfpipe/hyperparams.py -> `hyperparams`,
-  tfpipe/layers/core.py -> `layers_core`, tfpipe/__init__.py ->
-  `tfpipe_init`, models/foo.py -> `models_foo`, tests/util.py -> `tests_util`.
-* deps follow `import` / `from ... import` statements (anywhere in the file,
-  relative imports included) between these modules, plus each module's
-  package `__init__.py`. Third-party imports come from the Python
-  environment, not Bazel. Modules that import each other (a cycle Bazel
-  cannot express) share one another's sources.
-* `py_test` per `tests/**/*_test.py`, named like the test path below tests/
-  (tests/layers/core_test.py -> `layers_core_test`). Each runs its file
-  under pytest via tests/bazel_pytest_main.py, so tests/conftest.py and
-  setup.cfg apply. A test can set its Bazel size or tags with comment lines
-  `# bazel: size=large` and `# bazel: tags=gpu,manual`.
-* `py_binary` `trainer` for tfpipe/trainer/trainer.py when it exists, and
-  `build_targets` for this script.
+Deps follow `import` statements anywhere in a file. Importing a module
+(`from tfpipe.gpipe import schedule`) depends on that module's target;
+importing a package object (`from tfpipe import gpipe`, `from tfpipe.gpipe
+import PipeliningLayer`) on its bundle. Each module also depends on its own
+package's lazy `:init`, unless that `__init__.py` imports the module itself
+(tfpipe/lazy_exports.py): then the edge back would only be a cycle. A real
+import cycle is an error naming the modules and import lines; sources are
+never merged. Comment lines add what imports cannot show: in a test,
+`# bazel: size=large` and `# bazel: tags=manual`; in any file,
+`# bazel: deps=//params,//tfpipe/trainer:__main__` (e.g. for a subprocess)
+and `# bazel: data=//:README.md`.
+
+The root BUILD holds `//:trainer` (with `//params`, every config the model
+registry may import by name) and `//:build_targets`. benchmarks/ holds a
+`py_library` per script, for the tests that import them; the scripts run
+with python.
 """
 
 import argparse
 import ast
+import collections
+import dataclasses
 import os
+import posixpath
 import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-LIBRARY_DIRS = ('tfpipe', 'models', 'params')
+LIBRARY_DIRS = ('tfpipe', 'models', 'params', 'benchmarks', 'tools')
 TESTS_DIR = 'tests'
 RUNNER = 'tests/bazel_pytest_main.py'
-SUPPORT_TARGET = 'pytest_support'
+CONFTEST = 'tests/conftest.py'
+PYTEST_SUPPORT = '//tests:pytest_support'
+SETUP_CFG = 'setup.cfg'
+ROOT_FILES = ('README.md', SETUP_CFG)
 TRAINER = 'tfpipe/trainer/trainer.py'
 GENERATOR = 'tools/build_targets.py'
+# model_registry imports the configs under params/ by name, so binaries and
+# tests that use the registry need them all: the bundle `//params`.
+REGISTRY_MODULE = 'tfpipe.model_registry'
+REGISTRY_DIR = 'params'
+LAZY_EXPORTS = 'Attach'  # tfpipe.lazy_exports.Attach(__name__, {table}).
 SKIP_DIRS = {'__pycache__', '.pytest_cache', 'testdata_out'}
 TEST_SIZES = ('small', 'medium', 'large', 'enormous')
+DIRECTIVES = ('size', 'tags', 'deps', 'data')
+BUILD = 'BUILD'
+MARKER = 'GENERATED by tools/build_targets.py'
 
 HEADER = '''\
-# Bazel targets for tfpipe. GENERATED by tools/build_targets.py: do not edit.
-# Regenerate after adding/removing modules or tests or changing imports:
+# Bazel targets for {where}.
+# {marker}: do not edit. Regenerate after adding,
+# removing or renaming modules or tests, or changing imports:
 #     python tools/build_targets.py
 # tests/build_test.py fails when this file is stale.
 
@@ -59,11 +80,11 @@ package(default_visibility = ["//visibility:public"])
 '''
 
 
-def _Rel(path):
-  return os.path.relpath(path, ROOT).replace(os.sep, '/')
+class BuildError(Exception):
+  """The tree cannot be described by BUILD files; the message says why."""
 
 
-def _Walk(top, root=ROOT, only=None):
+def _Walk(top, root, only):
   """Sorted workspace-relative paths of files under `top` (and in `only`)."""
   out = []
   for dirpath, dirnames, filenames in os.walk(os.path.join(root, top)):
@@ -92,311 +113,497 @@ def ModuleName(path):
   return '.'.join(parts)
 
 
-def LibraryName(path):
-  parts = path[:-len('.py')].split('/')
-  if parts[-1] == '__init__':
-    parts[-1] = 'init'
-  if parts[0] == 'tfpipe' and len(parts) > 1 and parts[1:] != ['init']:
-    parts = parts[1:]
-  return '_'.join(parts)
+def Label(package, name):
+  """'//tfpipe/gpipe:schedule'; a package's namesake is '//tfpipe/gpipe'."""
+  if package and posixpath.basename(package) == name:
+    return f'//{package}'
+  return f'//{package}:{name}'
 
 
-def TestName(path):
-  return '_'.join(path[len(TESTS_DIR) + 1:-len('.py')].split('/'))
+def _Relative(label, package):
+  """`label` as written in package's BUILD: ':name' when it is local."""
+  if label == f'//{package}' and package:
+    return ':' + posixpath.basename(package)
+  if label.startswith(f'//{package}:'):
+    return label[len(package) + 2:]
+  return label
+
+
+def _Canonical(label):
+  """'//params:params' -> '//params', as Label() writes it."""
+  package, _, name = label[2:].partition(':')
+  return Label(package, name or posixpath.basename(package))
 
 
 def IsTestFile(path):
   return path.startswith(TESTS_DIR + '/') and path.endswith('_test.py')
 
 
-def IsTestSupportFile(path):
-  base = os.path.basename(path)
-  return path == RUNNER or base in ('conftest.py', '__init__.py')
+@dataclasses.dataclass
+class Target:
+  """One rule: where it lives, what it holds and why it depends on others."""
+  kind: str
+  package: str
+  name: str
+  srcs: list = dataclasses.field(default_factory=list)  # Workspace paths.
+  deps: dict = dataclasses.field(default_factory=dict)  # Label -> reason.
+  attrs: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def label(self):
+    return Label(self.package, self.name)
 
 
 class Tree:
-  """The Python files of the workspace, classified."""
+  """The Python files of the workspace, their imports and lazy exports."""
 
   def __init__(self, root=ROOT, only=None):
     self.root = root
-    self.library_files = []  # tfpipe/, models/, params/, tests helpers.
-    self.test_files = []
-    self.support_files = []
-    self.test_data = []
-    for top in LIBRARY_DIRS:
-      self.library_files += [
-          p for p in _Walk(top, root, only) if p.endswith('.py')]
-    for p in _Walk(TESTS_DIR, root, only):
-      if not p.endswith('.py'):
-        self.test_data.append(p)
-      elif IsTestFile(p):
-        self.test_files.append(p)
-      elif IsTestSupportFile(p):
-        self.support_files.append(p)
-      else:
-        self.library_files.append(p)
-    self.modules = {ModuleName(p): p for p in self.library_files}
-    self.test_modules = {ModuleName(p): p for p in self.test_files}
-    self.has_trainer = TRAINER in self.library_files
-    self.has_generator = os.path.exists(os.path.join(root, GENERATOR))
+    self.files = []
+    for top in LIBRARY_DIRS + (TESTS_DIR,):
+      self.files += [p for p in _Walk(top, root, only) if p.endswith('.py')]
+    self.modules = {ModuleName(p): p for p in self.files}
+    self.test_files = [p for p in self.files if IsTestFile(p)]
+    self.library_files = [p for p in self.files
+                          if not IsTestFile(p) and p not in (RUNNER, CONFTEST)]
+    self.has_trainer = TRAINER in self.files
+    self.has_generator = GENERATOR in self.files
+    self._text = {}
+    self._imports = {}
 
   def Read(self, path):
-    with open(os.path.join(self.root, path), encoding='utf-8') as f:
-      return f.read()
+    if path not in self._text:
+      with open(os.path.join(self.root, path), encoding='utf-8') as f:
+        self._text[path] = f.read()
+    return self._text[path]
 
-  def _Resolve(self, name):
-    """The library file for module `name` or its closest enclosing module."""
-    while name:
-      if name in self.modules:
-        return self.modules[name]
-      name = name.rpartition('.')[0]
-    return None
+  def Parse(self, path):
+    try:
+      return ast.parse(self.Read(path), filename=path)
+    except SyntaxError as e:
+      raise BuildError(f'{path}:{e.lineno}: cannot parse: {e.msg}.') from None
+
+  def _Nearest(self, module):
+    """`module` or its closest enclosing module/package in the tree."""
+    while module and module not in self.modules:
+      module = module.rpartition('.')[0]
+    return module or None
 
   def Imports(self, path):
-    """Library files that `path` imports (directly), sorted."""
-    tree = ast.parse(self.Read(path), filename=path)
+    """{workspace module name: first line} of what `path` imports."""
+    if path not in self._imports:
+      self._imports[path] = self._FindImports(path)
+    return self._imports[path]
+
+  def _FindImports(self, path):
     package = ModuleName(path)
     if not path.endswith('__init__.py'):
       package = package.rpartition('.')[0]
-    found = set()
-    for node in ast.walk(tree):
+    found = {}
+
+    def Add(module, node):
+      if module and module != ModuleName(path):
+        found.setdefault(module, node.lineno)
+
+    for node in ast.walk(self.Parse(path)):
       if isinstance(node, ast.Import):
         for alias in node.names:
-          found.add(self._Resolve(alias.name))
+          Add(self._Nearest(alias.name), node)
       elif isinstance(node, ast.ImportFrom):
+        module = node.module or ''
         if node.level:
           base = package.split('.') if package else []
           base = base[:len(base) - (node.level - 1)]
-          module = '.'.join(base + ([node.module] if node.module else []))
-        else:
-          module = node.module or ''
+          module = '.'.join(base + ([module] if module else []))
         for alias in node.names:
-          sub = f'{module}.{alias.name}' if module else alias.name
-          found.add(self.modules.get(sub) or self._Resolve(module))
-    found.discard(None)
-    found.discard(path)
-    return sorted(found)
+          sub = f'{module}.{alias.name}'
+          Add(sub if sub in self.modules else self._Nearest(module), node)
+    return found
 
-  def PackageInit(self, path):
-    """The nearest enclosing package's __init__.py, if it is a library."""
-    module = ModuleName(path).rpartition('.')[0]
-    while module:
-      if module in self.modules:
-        return self.modules[module]
-      module = module.rpartition('.')[0]
-    return None
+  def LazyTable(self, init):
+    """Submodule names of `init`'s lazy_exports table ([] if it has none)."""
+    for node in ast.walk(self.Parse(init)):
+      if not (isinstance(node, ast.Call) and
+              getattr(node.func, 'attr', getattr(node.func, 'id', None)) ==
+              LAZY_EXPORTS):
+        continue
+      try:
+        table = ast.literal_eval(node.args[1])
+      except (IndexError, ValueError):
+        raise BuildError(
+            f'{init}:{node.lineno}: the lazy_exports.{LAZY_EXPORTS} table '
+            'must be a literal dict, {submodule: [names]}, the 2nd argument, '
+            'so that this generator can read it.') from None
+      package = ModuleName(init)
+      for sub in table:
+        if f'{package}.{sub}' not in self.modules:
+          raise BuildError(
+              f'{init}:{node.lineno}: lazy export table names submodule '
+              f'{sub!r}, but there is no {package}.{sub} module; fix the '
+              'table.')
+      return sorted(table)
+    return []
 
   def Directives(self, path):
     out = {}
     for m in re.finditer(r'^#\s*bazel:\s*(\w+)\s*=\s*(\S+)\s*$',
                          self.Read(path), re.M):
-      out[m.group(1)] = m.group(2)
+      key, value = m.group(1), m.group(2)
+      if key not in DIRECTIVES:
+        raise BuildError(f'{path}: unknown directive `# bazel: {key}=`; '
+                         f'use one of {", ".join(DIRECTIVES)}.')
+      if key in ('size', 'tags') and not IsTestFile(path):
+        raise BuildError(f'{path}: `# bazel: {key}=` applies to test files '
+                         '(*_test.py) only.')
+      if key == 'size' and value not in TEST_SIZES:
+        raise BuildError(f'{path}: `# bazel: size={value}`: size must be one '
+                         f'of {", ".join(TEST_SIZES)}.')
+      out[key] = value if key == 'size' else sorted(
+          v for v in value.split(',') if v)
     return out
 
 
-def _StronglyConnected(graph):
-  """Tarjan's algorithm; returns {node: frozenset(component)}."""
-  index, low, stack, on_stack, comp = {}, {}, [], set(), {}
-  counter = [0]
+class _Targets:
+  """Builds every Target of a Tree; `by_label` holds them."""
 
-  def Visit(v):
-    index[v] = low[v] = counter[0]
-    counter[0] += 1
-    stack.append(v)
-    on_stack.add(v)
-    for w in graph[v]:
-      if w not in index:
-        Visit(w)
-        low[v] = min(low[v], low[w])
-      elif w in on_stack:
-        low[v] = min(low[v], index[w])
-    if low[v] == index[v]:
-      members = []
-      while True:
-        w = stack.pop()
-        on_stack.discard(w)
-        members.append(w)
-        if w == v:
-          break
-      for w in members:
-        comp[w] = frozenset(members)
+  def __init__(self, tree):
+    self.tree = tree
+    self.by_label = {}
+    self.imported_tests = set()
+    self.lazy = {p: tree.LazyTable(p) for p in tree.files
+                 if p.endswith('/__init__.py')}
+    self.init_imports = {p: set(tree.Imports(p)) for p in self.lazy}
+    for p in tree.library_files:
+      self._Library(p)
+    for p in tree.files:
+      if p.endswith('/__init__.py') and self.lazy[p]:
+        self._Bundle(p)
+    if any(p.startswith(REGISTRY_DIR + '/') for p in tree.library_files):
+      self._RegistryBundle()
+    if RUNNER in tree.files:
+      self._PytestSupport()
+    for p in tree.test_files:
+      self._Test(p)
+    done = set()
+    while self.imported_tests - done:  # A test library may import a test.
+      for p in sorted(self.imported_tests - done):
+        done.add(p)
+        self._TestLibrary(p)
+    self._Binaries()
+    self._CheckDepsExist()
 
-  sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
-  for v in sorted(graph):
-    if v not in index:
-      Visit(v)
-  return comp
+  def Add(self, target):
+    if target.label in self.by_label:
+      raise BuildError(
+          f'Bazel target {target.label} would hold both '
+          f'{self.by_label[target.label].srcs or "a bundle"} and '
+          f'{target.srcs or "a bundle"}; rename one of them.')
+    self.by_label[target.label] = target
+    return target
+
+  def ModuleLabel(self, module):
+    """The label that provides workspace module `module` to an importer."""
+    path = self.tree.modules[module]
+    package = posixpath.dirname(path)
+    if path.endswith('/__init__.py'):
+      name = posixpath.basename(package) if self.lazy[path] else 'init'
+      return Label(package, name)
+    name = posixpath.basename(path)[:-len('.py')]
+    if IsTestFile(path):
+      self.imported_tests.add(path)
+      name += '_lib'
+    return Label(package, name)
+
+  def _PackageDeps(self, path):
+    """{label: reason} of the __init__.py that Python runs before `path`."""
+    package = posixpath.dirname(path)
+    if path.endswith('/__init__.py'):
+      package = posixpath.dirname(package)
+    init = f'{package}/__init__.py' if package else None
+    if init not in self.lazy or ModuleName(path) in self.init_imports[init]:
+      return {}  # No package, or its __init__ loads `path` itself.
+    return {Label(package, 'init'): f'is in package {package}'}
+
+  def _ImportDeps(self, path):
+    deps = {}
+    for module, line in self.tree.Imports(path).items():
+      deps.setdefault(self.ModuleLabel(module),
+                      f'imports {module} ({path}:{line})')
+    return deps
+
+  def _Declared(self, path, deps):
+    """Adds `# bazel: deps=` to `deps`; the `# bazel: data=` labels."""
+    directives = self.tree.Directives(path)
+    for label in directives.get('deps', []):
+      deps[_Canonical(label)] = f'is named by `# bazel: deps=` in {path}'
+    return directives.get('data', [])
+
+  def _Library(self, path):
+    package, base = posixpath.split(path)
+    name = 'init' if base == '__init__.py' else base[:-len('.py')]
+    deps = self._PackageDeps(path)
+    deps.update(self._ImportDeps(path))
+    attrs = {'data': self._Declared(path, deps)}
+    if path.startswith(TESTS_DIR + '/'):
+      attrs['testonly'] = True
+    self.Add(Target('py_library', package, name, [path], deps, attrs))
+
+  def _Bundle(self, init):
+    package = posixpath.dirname(init)
+    deps = {Label(package, 'init'): 'is the package'}
+    for sub in self.lazy[init]:
+      module = f'{ModuleName(init)}.{sub}'
+      deps[self.ModuleLabel(module)] = f're-exports {module} lazily ({init})'
+    self.Add(Target('py_library', package, posixpath.basename(package), [],
+                    deps))
+
+  def _RegistryBundle(self):
+    deps = {}
+    for p in self.tree.library_files:
+      if p.startswith(REGISTRY_DIR + '/') and not p.endswith('__init__.py'):
+        deps[self.ModuleLabel(ModuleName(p))] = 'is a registered config'
+    self.Add(Target('py_library', REGISTRY_DIR, REGISTRY_DIR, [], deps))
+
+  def _PytestSupport(self):
+    srcs = [p for p in (RUNNER, CONFTEST) if p in self.tree.files]
+    deps = {}
+    for p in srcs:
+      deps.update(self._PackageDeps(p))
+      deps.update(self._ImportDeps(p))
+    package, name = PYTEST_SUPPORT[2:].split(':')
+    self.Add(Target('py_library', package, name, srcs, deps,
+                    {'data': ['//:' + SETUP_CFG], 'testonly': True}))
+
+  def _TestDeps(self, path):
+    deps = self._PackageDeps(path)
+    deps.update(self._ImportDeps(path))
+    directory = posixpath.dirname(path)
+    while directory.startswith(TESTS_DIR + '/'):  # pytest loads these too.
+      conftest = f'{directory}/conftest.py'
+      if conftest in self.tree.files:
+        deps[Label(directory, 'conftest')] = f'{conftest} applies'
+      directory = posixpath.dirname(directory)
+    if REGISTRY_MODULE in self.tree.Imports(path):
+      deps[Label(REGISTRY_DIR, REGISTRY_DIR)] = 'uses the model registry'
+    return deps
+
+  def _Test(self, path):
+    package, base = posixpath.split(path)
+    directives = self.tree.Directives(path)
+    deps = {PYTEST_SUPPORT: 'runs under pytest'}
+    deps.update(self._TestDeps(path))
+    attrs = {
+        'size': directives.get('size'),
+        'main': RUNNER,
+        'args': [path],
+        'data': self._Declared(path, deps),
+        'tags': directives.get('tags', []),
+    }
+    self.Add(Target('py_test', package, base[:-len('.py')], [path, RUNNER],
+                    deps, attrs))
+
+  def _TestLibrary(self, path):
+    package, base = posixpath.split(path)
+    deps = self._TestDeps(path)
+    attrs = {'data': self._Declared(path, deps), 'testonly': True}
+    self.Add(Target('py_library', package, base[:-len('.py')] + '_lib', [path],
+                    deps, attrs))
+
+  def _Binaries(self):
+    if self.tree.has_trainer:
+      deps = {self.ModuleLabel(ModuleName(TRAINER)): 'is the trainer'}
+      if f'//{REGISTRY_DIR}' in self.by_label:
+        deps[f'//{REGISTRY_DIR}'] = 'trains registered configs'
+      self.Add(Target('py_binary', '', 'trainer', [TRAINER], deps,
+                      {'main': TRAINER}))
+    if self.tree.has_generator:
+      self.Add(Target('py_binary', '', 'build_targets', [GENERATOR],
+                      {self.ModuleLabel(ModuleName(GENERATOR)): 'is it'},
+                      {'main': GENERATOR}))
+
+  def _CheckDepsExist(self):
+    packages = {t.package for t in self.by_label.values()}
+    for target in self.by_label.values():
+      for label, why in target.deps.items():
+        if (label[2:].partition(':')[0] in packages and
+            label not in self.by_label):
+          raise BuildError(f'{target.label} {why}, but no BUILD file '
+                           f'defines {label}.')
+
+
+def _FindCycle(graph):
+  """One cycle [a, b, ..., a] of `graph` ({node: [nodes]}), or None."""
+  state = {}  # 1: on the current depth-first path; 2: explored.
+  for start in sorted(graph):
+    if start in state:
+      continue
+    path, children = [start], [iter(graph[start])]
+    state[start] = 1
+    while path:
+      w = next(children[-1], None)
+      if w is None:
+        state[path.pop()] = 2
+        children.pop()
+      elif state.get(w) == 1:
+        return path[path.index(w):] + [w]
+      elif w not in state:
+        state[w] = 1
+        path.append(w)
+        children.append(iter(graph[w]))
+  return None
+
+
+def CheckAcyclic(targets):
+  """Raises BuildError naming the modules and imports of an import cycle."""
+  cycle = _FindCycle({label: sorted(set(t.deps) & set(targets))
+                      for label, t in targets.items()})
+  if cycle:
+    files = sorted({s for label in cycle for s in targets[label].srcs})
+    raise BuildError('\n'.join(
+        ['Import cycle among ' + ', '.join(files) + ':'] +
+        [f'  {a} -> {b}: {targets[a].deps[b]}'
+         for a, b in zip(cycle, cycle[1:])] +
+        ['Bazel cannot build modules that import each other. Break the '
+         'cycle, e.g. by moving what both need into a third module. '
+         'Importing a module (`from tfpipe.gpipe import schedule`) rather '
+         'than its package (`from tfpipe import gpipe`) depends on less.']))
 
 
 def _List(values, indent='    '):
-  if not values:
-    return '[]'
   if len(values) == 1:
     return f'["{values[0]}"]'
   inner = ''.join(f'{indent}    "{v}",\n' for v in values)
   return f'[\n{inner}{indent}]'
 
 
-def _Rule(kind, attrs, comment=None):
-  lines = []
-  if comment:
-    lines += [f'# {c}' for c in comment]
-  lines.append(f'{kind}(')
-  for key, value in attrs:
-    if value is None:
+def _FileLabel(path, package):
+  """A source file as written in package's BUILD."""
+  directory, base = posixpath.split(path)
+  return base if directory == package else f'//{directory}:{base}'
+
+
+def _Rule(target):
+  package = target.package
+  local = lambda path: _FileLabel(path, package)
+  attrs = target.attrs
+  values = [
+      ('name', target.name),
+      ('size', attrs.get('size')),
+      ('srcs', [local(s) for s in target.srcs]),
+      ('main', local(attrs['main']) if 'main' in attrs else None),
+      ('args', attrs.get('args')),
+      ('data', [_Relative(d, package) for d in attrs.get('data', [])]),
+      ('tags', attrs.get('tags')),
+      ('testonly', attrs.get('testonly')),
+      ('deps', sorted({_Relative(d, package) for d in target.deps},
+                      key=_DepOrder)),
+  ]
+  lines = [f'{target.kind}(']
+  for key, value in values:
+    if not value:
       continue
-    if isinstance(value, (list, tuple)):
-      if not value:
-        continue
-      value = _List(list(value))
+    if value is True:
+      value = 'True'
+    elif isinstance(value, list):
+      value = _List(value)
     else:
       value = f'"{value}"'
     lines.append(f'    {key} = {value},')
-  lines.append(')')
-  return '\n'.join(lines) + '\n'
+  return '\n'.join(lines + [')']) + '\n'
+
+
+def _DepOrder(label):
+  """Local labels first, then by package and name (as buildifier sorts)."""
+  package, _, name = label.partition(':')
+  return (not label.startswith(':'), package, name)
+
+
+def _Order(target):
+  """init, the package bundle, libraries, binaries, tests."""
+  kind = {'py_library': 2, 'py_binary': 3, 'py_test': 4}[target.kind]
+  if target.name == 'init':
+    kind = 0
+  elif target.name == posixpath.basename(target.package):
+    kind = 1
+  return (kind, target.name)
 
 
 def Generate(root=ROOT, only=None):
-  """The BUILD text for the tree at `root` (files in `only`, if given)."""
+  """{BUILD path: text} for the tree at `root` (files in `only`, if given)."""
   tree = Tree(root, only)
-  graph = {}
-  for p in tree.library_files:
-    deps = set(tree.Imports(p))
-    init = tree.PackageInit(p)
-    if init and init != p:
-      deps.add(init)
-    graph[p] = deps
-  comp = _StronglyConnected(graph)
+  targets = _Targets(tree).by_label
+  CheckAcyclic(targets)
+  packages = collections.defaultdict(list)
+  exports = collections.defaultdict(set)
+  for t in targets.values():
+    packages[t.package].append(t)
+    for path in t.srcs + ([t.attrs['main']] if 'main' in t.attrs else []):
+      if posixpath.dirname(path) != t.package:
+        exports[posixpath.dirname(path)].add(posixpath.basename(path))
+  exports[''].update(f for f in ROOT_FILES
+                     if os.path.exists(os.path.join(root, f)))
+  packages.setdefault('', [])
+  out = {}
+  for package in sorted(packages):
+    where = f'{package}/' if package else 'the workspace root'
+    parts = [HEADER.format(where=where, marker=MARKER)]
+    if exports[package]:
+      parts.append(f'exports_files({_List(sorted(exports[package]), "")})\n')
+    parts += [_Rule(t) for t in sorted(packages[package], key=_Order)]
+    out[posixpath.join(package, BUILD)] = '\n'.join(parts)
+  return out
 
-  names = {}
 
-  def Claim(name, path):
-    if name in names:
-      raise SystemExit(f'build_targets: target name {name!r} is used by both '
-                       f'{names[name]} and {path}; rename one of them.')
-    names[name] = path
+def _ReadText(path):
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as f:
+    return f.read()
 
-  def Label(path):
-    return ':' + LibraryName(path)
 
-  rules = [HEADER]
-  for p in tree.library_files:
-    Claim(LibraryName(p), p)
-    group = comp[p]
-    srcs = [p] + sorted(group - {p})
-    deps = set()
-    for member in group:
-      deps |= graph[member] - group
-    comment = None
-    if len(group) > 1:
-      comment = ['Import cycle: ' + ', '.join(sorted(group)) +
-                 ' (sources shared).']
-    rules.append(_Rule('py_library', [
-        ('name', LibraryName(p)),
-        ('srcs', srcs),
-        ('imports', ['.']),
-        ('deps', sorted(Label(d) for d in deps)),
-    ], comment))
-
-  support_deps = set()
-  for p in tree.support_files:
-    support_deps |= set(tree.Imports(p))
-  Claim(SUPPORT_TARGET, RUNNER)
-  rules.append(_Rule('py_library', [
-      ('name', SUPPORT_TARGET),
-      ('srcs', tree.support_files),
-      ('data', ['setup.cfg'] + tree.test_data),
-      ('imports', ['.']),
-      ('deps', sorted(Label(d) for d in support_deps)),
-  ], ['pytest, tests/conftest.py and setup.cfg for every py_test.']))
-
-  if tree.has_generator:
-    Claim('tools_build_targets', GENERATOR)
-    rules.append(_Rule('py_library', [
-        ('name', 'tools_build_targets'),
-        ('srcs', [GENERATOR]),
-    ]))
-    Claim('build_targets', GENERATOR)
-    rules.append(_Rule('py_binary', [
-        ('name', 'build_targets'),
-        ('srcs', [GENERATOR]),
-        ('main', GENERATOR),
-        ('deps', [':tools_build_targets']),
-    ], ['`bazel run //:build_targets` regenerates this file.']))
-
-  if tree.has_trainer:
-    Claim('trainer', TRAINER)
-    rules.append(_Rule('py_binary', [
-        ('name', 'trainer'),
-        ('srcs', [TRAINER]),
-        ('main', TRAINER),
-        ('imports', ['.']),
-        ('deps', [Label(TRAINER)]),
-    ]))
-
-  for p in tree.test_files:
-    name = TestName(p)
-    Claim(name, p)
-    directives = tree.Directives(p)
-    deps = {':' + SUPPORT_TARGET}
-    deps |= {Label(d) for d in tree.Imports(p)}
-    data = []
-    tags = []
-    if p == 'tests/build_test.py':
-      # Scans the real source tree (through the runfiles symlinks), so it
-      # must never be served from cache.
-      data = ['BUILD']
-      tags = ['external']
-      if tree.has_generator:
-        deps.add(':tools_build_targets')
-    size = directives.get('size')
-    if size and size not in TEST_SIZES:
-      raise SystemExit(f'build_targets: {p}: size must be one of {TEST_SIZES}.')
-    if 'tags' in directives:
-      tags += [t for t in directives['tags'].split(',') if t]
-    rules.append(_Rule('py_test', [
-        ('name', name),
-        ('size', size),
-        ('srcs', [p, RUNNER]),
-        ('main', RUNNER),
-        ('args', [p]),
-        ('data', data),
-        ('imports', ['.']),
-        ('tags', sorted(set(tags))),
-        ('deps', sorted(deps)),
-    ]))
-  return '\n'.join(rules)
+def StaleBuildFiles(root, generated):
+  """Generated BUILD files on disk that the tree no longer needs."""
+  return [p for top in LIBRARY_DIRS + (TESTS_DIR,)
+          for p in _Walk(top, root, None)
+          if posixpath.basename(p) == BUILD and p not in generated and
+          MARKER in _ReadText(os.path.join(root, p))]
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--check', action='store_true',
-                      help='exit 1 if BUILD differs from the generated text')
+                      help='exit 1 if a BUILD file differs from the '
+                      'generated text')
   parser.add_argument('--git', action='store_true',
                       help='only files git tracks (committed or staged): '
-                      'for a BUILD that matches a commit')
+                      'for BUILD files that match a commit')
   parser.add_argument('--root', default=None, help='workspace root')
   args = parser.parse_args(argv)
   root = args.root or os.environ.get('BUILD_WORKSPACE_DIRECTORY') or ROOT
-  text = Generate(root, GitFiles(root) if args.git else None)
-  path = os.path.join(root, 'BUILD')
-  old = None
-  if os.path.exists(path):
-    with open(path, encoding='utf-8') as f:
-      old = f.read()
-  if args.check:
-    if old != text:
-      print('BUILD is out of date; run: python tools/build_targets.py',
-            file=sys.stderr)
-      return 1
-    print('BUILD is up to date.')
-    return 0
-  if old != text:
-    with open(path, 'w', encoding='utf-8') as f:
-      f.write(text)
-    print(f'Wrote {path}.')
-  else:
-    print(f'{path} is up to date.')
+  try:
+    generated = Generate(root, GitFiles(root) if args.git else None)
+  except BuildError as e:
+    print(f'build_targets: {e}', file=sys.stderr)
+    return 1
+  changed = []
+  for path, text in generated.items():
+    full = os.path.join(root, path)
+    if _ReadText(full) != text:
+      changed.append(path)
+      if not args.check:
+        with open(full, 'w', encoding='utf-8') as f:
+          f.write(text)
+  stale = StaleBuildFiles(root, generated)
+  if args.check and (changed or stale):
+    print('Out of date: ' + ', '.join(changed + stale) +
+          '\nRun: python tools/build_targets.py', file=sys.stderr)
+    return 1
+  if not args.check:
+    for path in stale:
+      os.remove(os.path.join(root, path))
+  print(f'{len(generated)} BUILD files: wrote {len(changed)}, removed '
+        f'{len(stale)}.' if changed or stale else
+        f'{len(generated)} BUILD files are up to date.')
   return 0
 
 

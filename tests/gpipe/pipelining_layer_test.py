@@ -65,33 +65,52 @@ def _AssertAllClose(actual, expected, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
 
 
+def _ScheduledPipeline(layer_params, k, m, schedule, **kwargs):
+  """K cells; interleaved 1F1B runs them two per device (K/2 devices)."""
+  if schedule != 'interleaved_1f1b' or k == 1:
+    return _Pipeline(layer_params, k, m, schedule=schedule, **kwargs)
+  cells = gpipe.PartitionSequentialLayers(layer_params, k, balance='params')
+  return gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=m,
+      devices=_Devices(k // 2), schedule=schedule, **kwargs).Instantiate()
+
+
 _REMATS = ['always', 'except_last', 'never']
-_GRID = [(k, m) for k in (1, 2, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
+_GRID = [(k, m, ('gpipe', '1f1b')[m % 2]) for k in (1, 2, 4, 8)
+         for m in (1, 2, 3, 4, 8, 16)]
+_GRID += [(k, m, 'zb_h1') for k, m in
+          [(1, 2), (2, 3), (2, 8), (4, 5), (4, 6), (4, 16), (8, 3)]]
+_GRID += [(k, m, 'interleaved_1f1b') for k, m in
+          [(2, 1), (2, 3), (4, 2), (4, 16), (8, 3), (8, 8)]]
 
 
-@pytest.mark.parametrize('k,m', _GRID)
-def test_transparency_grid(k, m):
+@pytest.mark.parametrize('k,m,schedule', _GRID)
+def test_transparency_grid(k, m, schedule):
   remat = _REMATS[(k + m) % 3]
-  schedule = ('gpipe', '1f1b')[m % 2]
+  executor = ('graph', 'threads')[(k + m // 2) % 2]
   layer_params = _LayerParams()
   x, y = _Data()
   ref_loss, ref_grads = _Reference(layer_params, x, y)
-  pipe = _Pipeline(layer_params, k, m, remat_policy=remat, schedule=schedule,
-                   compile_step=False)
+  pipe = _ScheduledPipeline(layer_params, k, m, schedule, remat_policy=remat,
+                            compile_step=False, executor=executor)
   out = pipe.ComputeLossAndGradients(x, y, _Loss)
   np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
   _AssertAllClose(out.gradients, ref_grads)
 
 
-@pytest.mark.parametrize('k,m,remat,schedule', [
-    (2, 3, 'always', 'gpipe'), (4, 6, 'except_last', '1f1b'),
-    (4, 5, 'never', '1f1b')])
+@pytest.mark.parametrize('k,m,remat,schedule,executor', [
+    (2, 3, 'always', 'gpipe', 'graph'), (4, 6, 'except_last', '1f1b', 'graph'),
+    (4, 5, 'never', '1f1b', 'threads'), (2, 4, 'always', 'gpipe', 'threads'),
+    (4, 5, 'never', 'zb_h1', 'graph'), (2, 3, 'always', 'zb_h1', 'threads'),
+    (4, 6, 'except_last', 'interleaved_1f1b', 'graph'),
+    (4, 3, 'never', 'interleaved_1f1b', 'threads')])
 def test_transparency_in_tf_function_and_under_gradient_tape(
-    k, m, remat, schedule):
+    k, m, remat, schedule, executor):
   layer_params = _LayerParams()
   x, y = _Data()
   ref_loss, ref_grads = _Reference(layer_params, x, y)
-  pipe = _Pipeline(layer_params, k, m, remat_policy=remat, schedule=schedule)
+  pipe = _ScheduledPipeline(layer_params, k, m, schedule, remat_policy=remat,
+                            executor=executor)
   out = pipe.ComputeLossAndGradients(x, y, _Loss)  # compiled tf.function
   np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
   _AssertAllClose(out.gradients, ref_grads)
@@ -113,10 +132,28 @@ def test_schedules_give_identical_gradients():
   layer_params = _LayerParams()
   x, y = _Data()
   results = []
-  for schedule in ('gpipe', '1f1b'):
-    pipe = _Pipeline(layer_params, 4, 4, schedule=schedule)
+  for schedule in sorted(gpipe.schedule.SCHEDULES):
+    pipe = _ScheduledPipeline(layer_params, 4, 4, schedule,
+                              compile_step=False)
     results.append(pipe.ComputeLossAndGradients(x, y, _Loss).gradients)
-  _AssertAllClose(results[0], results[1], rtol=1e-6, atol=1e-7)
+  for other in results[1:]:
+    _AssertAllClose(other, results[0], rtol=1e-6, atol=1e-7)
+
+
+def test_interleaving_places_cells_round_robin_and_checks_the_placement():
+  cells = gpipe.PartitionSequentialLayers(_LayerParams(), 4, balance='params')
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=4, devices=_Devices(2),
+      schedule='interleaved_1f1b')
+  pipe = p.Instantiate()  # No round_robin_placement=True needed.
+  assert pipe.cell_devices == ['/CPU:0', '/CPU:1', '/CPU:0', '/CPU:1']
+  sched = pipe.Schedule(4)
+  assert sched.num_devices == 2 and sched.device_of_cell == [0, 1, 0, 1]
+  with pytest.raises(ValueError, match=r"pipe: schedule='interleaved_1f1b'.*"
+                     r'cell k on device k % D'):
+    p.Copy().Set(devices=['/CPU:0', '/CPU:0', '/CPU:1', '/CPU:1']).Instantiate()
+  with pytest.raises(ValueError, match='multiple of the number of devices'):
+    p.Copy().Set(devices=_Devices(3)).Instantiate()
 
 
 def test_per_example_losses_and_metrics_are_weighted_exactly():
@@ -400,10 +437,29 @@ def test_error_cell_output_does_not_fit_next_cell():
 
 
 def test_error_unknown_remat_policy_and_schedule():
-  with pytest.raises(ValueError, match="remat_policy 'sometimes'"):
+  with pytest.raises(ValueError, match="pipe.remat_policy must be one of .*"
+                     "Received: remat_policy='sometimes'"):
     _PipeParams(remat_policy='sometimes').Instantiate()
-  with pytest.raises(ValueError, match="schedule 'interleaved'"):
+  with pytest.raises(ValueError, match="zb_h1.*--schedule.*Received: "
+                     "schedule='interleaved'"):
     _PipeParams(schedule='interleaved').Instantiate()
+
+
+@pytest.mark.parametrize('change, message', [
+    ({'num_replicas': 0}, r'pipe.num_replicas must be an int >= 1'),
+    ({'micro_batch_size': 0}, r'pipe.micro_batch_size must be an int'),
+    ({'executor': 'fibers'}, r"Received: executor='fibers'"),
+    ({'balance': 'luck'}, r"pipe.balance must be one of .*Received: "
+     r"balance='luck'"),
+    ({'balance': [1, 0]}, r'one layer count >= 1 per cell'),
+    ({'num_partitions': 3}, r'cell_tpl holds 2 cells but num_partitions=3'),
+])
+def test_check_params_names_the_setting_and_what_it_received(change, message):
+  """One check, used by the layer and (before TensorFlow starts) the trainer."""
+  with pytest.raises(ValueError, match=message):
+    gpipe.PipeliningLayer.CheckParams(_PipeParams(**change))
+  with pytest.raises(ValueError, match=message):
+    _PipeParams(**change).Instantiate()
 
 
 def test_micro_batch_size_alternative():
@@ -412,7 +468,7 @@ def test_micro_batch_size_alternative():
   ref_loss, ref_grads = _Reference(layer_params, x, y)
   pipe = _Pipeline(layer_params, 2, 1, micro_batch_size=5)
   out = pipe.ComputeLossAndGradients(x, y, _Loss)
-  assert pipe.Executor(4).schedule.num_micro_batches == 4
+  assert pipe.Schedule(4).num_micro_batches == 4
   np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
   _AssertAllClose(out.gradients, ref_grads)
 
@@ -431,3 +487,65 @@ def test_cost_model_matches_the_built_cells():
   assert total.output_shape == (None, DIM)
   assert total.num_params == sum(c.num_params for c in per_cell)
   assert total.flops > 0
+
+
+def test_checkpoint_names_layers_not_cells_so_any_k_restores(tmp_path):
+  x, y = _Data()
+  two = _Pipeline(_BatchNormParams(), 2, 2)
+  two.ComputeLossAndGradients(x * 3.0 + 1.0, y, _Loss)  # Moves the statistics.
+  path = tf.train.Checkpoint(pipe=two).write(str(tmp_path / 'ckpt'))
+  names = [n for n, _ in tf.train.list_variables(path)]
+  assert any('layers.Sbn1/moving_mean' in n for n in names), names
+  assert not any('cells' in n for n in names), names
+  four = _Pipeline(_BatchNormParams(), 4, 3)
+  tf.train.Checkpoint(pipe=four).read(path).assert_existing_objects_matched()
+  want = {v.path.split('/', 2)[-1]: v.numpy() for v in two.variables}
+  got = {v.path.split('/', 2)[-1]: v.numpy() for v in four.variables}
+  assert want.keys() == got.keys()
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_auto_executor_by_device_kind_and_action_size():
+  choose = gpipe.pipelining_layer.ChooseExecutor
+  big = gpipe.pipelining_layer.THREADS_MIN_FORWARD_FLOPS * 2
+  assert choose(['/GPU:0', '/GPU:1'], big) == 'graph'
+  assert choose(['/job:localhost/task:0/device:TPU:0', '/TPU:1'], big) == (
+      'graph')
+  assert choose(['/CPU:0', '/CPU:1'], big) == 'threads'
+  assert choose(['/job:worker/task:0/device:CPU:0',
+                 '/job:worker/task:1/device:CPU:0'], big) == 'threads'
+  assert choose(['/CPU:0', '/CPU:1'], big / 100) == 'graph'
+  assert choose(['/CPU:0', '/CPU:1'], None) == 'graph'
+  assert choose(['/CPU:0', '/CPU:0'], big) == 'graph'
+
+
+def test_auto_executor_reads_the_cells_cost_model():
+  small = _Pipeline(_LayerParams(4), 2, 2)  # 4x4 layers: tiny actions.
+  assert small.p.executor == 'auto'
+  x, _ = _Data()
+  assert small.ResolvedExecutor(x) == 'graph'
+  wide = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dims=2048,
+                                      output_dims=2048) for i in range(4)]
+  big = _Pipeline(wide, 2, 2)
+  assert big.ResolvedExecutor(tf.zeros([1024, 2048])) == 'threads'
+  assert big.ResolvedExecutor(tf.zeros([8, 2048])) == 'graph'
+
+
+def test_keras_fit_of_a_model_holding_a_pipeline_matches_the_plain_layers():
+  """Keras' own train_step takes the gradient through pipe(x) (the tape path)."""
+  layer_params = _LayerParams(4)
+  x, y = _Data()
+
+  def Fit(layer):
+    inputs = keras.Input((DIM,))
+    model = keras.Model(inputs, layer(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss='mse')
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0)
+    return history.history['loss'], [v.numpy() for v in layer.weights
+                                      if v.trainable]
+  plain_loss, plain_weights = Fit(layers.SequentialLayer.Params().Set(
+      name='plain', sub=layer_params).Instantiate())
+  piped_loss, piped_weights = Fit(_Pipeline(layer_params, 2, 3))
+  np.testing.assert_allclose(piped_loss, plain_loss, rtol=1e-5)
+  _AssertAllClose(piped_weights, plain_weights)

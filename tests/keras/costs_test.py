@@ -10,7 +10,7 @@ from tests.keras import model_test
 from tests.keras import stage_test
 
 
-def testParamsCountEachLayerOnce():
+def test_params_count_each_layer_once():
   model = model_test._Functional()
   graph = graph_lib.ModelGraph(model)
   got = costs.StepCosts(graph, 'params')
@@ -19,7 +19,7 @@ def testParamsCountEachLayerOnce():
 
 
 @pytest.mark.parametrize('balance', ['flops', 'memory'])
-def testEstimatesArePositiveAndGrowWithTheLayer(balance):
+def test_estimates_are_positive_and_grow_with_the_layer(balance):
   keras.utils.set_random_seed(0)
   i = keras.Input((8,))
   h = keras.layers.Dense(4, name='small')(i)
@@ -29,7 +29,7 @@ def testEstimatesArePositiveAndGrowWithTheLayer(balance):
   assert got[1] > got[0]
 
 
-def testTimeProfilesEveryStepAndLeavesBatchNormStatsAlone():
+def test_time_profiles_every_step_and_leaves_batch_norm_stats_alone():
   model = stage_test._ConvBn()
   before = stage_test._Stats(model)
   got = costs.StepCosts(graph_lib.ModelGraph(model), 'time',
@@ -40,7 +40,7 @@ def testTimeProfilesEveryStepAndLeavesBatchNormStatsAlone():
     np.testing.assert_array_equal(var, before[name][1])
 
 
-def testUnknownBalance():
+def test_unknown_balance():
   graph = graph_lib.ModelGraph(model_test._Sequential())
   with pytest.raises(ValueError, match="Received: balance='speed'"):
     costs.StepCosts(graph, 'speed')

@@ -12,7 +12,7 @@ from tests.keras import model_test
 DEVICES = model_test.DEVICES
 
 
-def testStepsAreTopologicallyOrdered():
+def test_steps_are_topologically_ordered():
   graph = graph_lib.ModelGraph(model_test._Functional())
   produced = set(graph.input_keys)
   for step in graph.steps:
@@ -21,7 +21,7 @@ def testStepsAreTopologicallyOrdered():
   assert set(graph.output_keys) <= produced
 
 
-def testSkipIsCarriedToItsConsumerAndNoFurther():
+def test_skip_is_carried_to_its_consumer_and_no_further():
   keras.utils.set_random_seed(0)
   i = keras.Input((4,), name='x')
   h = [keras.layers.Dense(4, name='d0')(i)]
@@ -39,7 +39,7 @@ def testSkipIsCarriedToItsConsumerAndNoFurther():
   assert [s.name for s in plans[3].steps] == ['skip', 'after', 'out']
 
 
-def testNestedModelsAreExpanded():
+def test_nested_models_are_expanded():
   keras.utils.set_random_seed(0)
   inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name='a'),
                             keras.layers.Dense(4, name='b')], name='inner')
@@ -87,24 +87,47 @@ class _AddsLoss(keras.layers.Layer):
                                        name='reg')), "'reg'.*activity"),
     (lambda: _Build(keras.layers.Embedding(10, 3, mask_zero=True, name='emb'),
                     shape=(5,)), "'emb'.*mask"),
-    (lambda: _Build(keras.layers.GaussianNoise(0.1, name='noise')),
-     "'noise'.*remat_policy"),
     (lambda: _Build(keras.layers.BatchNormalization(renorm=True, name='bn')),
      "'bn'.*renorm"),
+    (lambda: _Build(keras.layers.SpectralNormalization(
+        keras.layers.Dense(3), name='sn')), "'sn'.*kernel_constraint"),
+    (lambda: _Build(_WithStatefulRnn(name='block'), shape=(5, 4),
+                    batch_size=2), "'gru'.*inside layer 'block'.*stateful"),
 ])
-def testUnsupportedModelsAreRefusedByName(make, match):
+def test_unsupported_models_are_refused_by_name(make, match):
   with pytest.raises(ValueError, match=match):
     tfpipe.keras.pipeline(make(), num_partitions=2, devices=DEVICES[:2],
                           balance='params')
 
 
-def testRandomLayersAreFineWithoutRemat():
-  model = _Build(keras.layers.Dense(3), keras.layers.GaussianNoise(0.1))
+class _WithStatefulRnn(keras.layers.Layer):
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.rnn = keras.layers.GRU(3, stateful=True, name='gru')
+
+  def build(self, input_shape):
+    self.rnn.build(input_shape)
+
+  def call(self, x):
+    return self.rnn(x)
+
+
+@pytest.mark.parametrize('remat_policy', ['always', 'except_last', 'never'])
+def test_random_layers_and_nested_batch_norm_are_accepted_under_remat(
+    remat_policy):
+  """They run exactly in every policy (stage_test checks the values)."""
+  inner = keras.Sequential([keras.layers.Dense(3, name='inner_dense'),
+                            keras.layers.BatchNormalization(name='inner_bn'),
+                            keras.layers.Dropout(0.5, name='inner_drop')],
+                           name='block')
+  model = _Build(keras.layers.Dense(3), keras.layers.GaussianNoise(0.1),
+                 keras.layers.Lambda(inner))
   tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
-                        balance='params', remat_policy='never')
+                        balance='params', remat_policy=remat_policy)
 
 
-def testSharedLayerAcrossStagesIsRefused():
+def test_shared_layer_across_stages_is_refused():
   shared = keras.layers.Dense(4, name='shared')
   i = keras.Input((4,))
   h = shared(i)
@@ -118,7 +141,7 @@ def testSharedLayerAcrossStagesIsRefused():
                         balance=[3, 1])
 
 
-def testAddLossAtRunTimeIsRefused():
+def test_add_loss_at_run_time_is_refused():
   model = _Build(keras.layers.Dense(3), _AddsLoss(name='adds'))
   pm = tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
                              num_micro_batches=2, balance='params')

@@ -3,6 +3,7 @@ dropout that a re-materialized forward reproduces."""
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfpipe
@@ -44,7 +45,7 @@ def _Stats(model):
           if isinstance(l, keras.layers.BatchNormalization)}
 
 
-def testBatchNormUsesEachMicroBatchsStatistics():
+def test_batch_norm_uses_each_micro_batchs_statistics():
   model = _ConvBn()
   pm = _Pipeline(model)
   assert pm.stage_plans[1].steps[0].name == 'c2'
@@ -82,7 +83,7 @@ def _AssertStats(model, expected):
       np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-def testMovingStatisticsGetOneMergedUpdatePerStep():
+def test_moving_statistics_get_one_merged_update_per_step():
   """Remat recomputes both stages; the moving averages still move once, by
   the statistics of the whole batch as the micro-batches saw it."""
   piped, reference = _ConvBn(seed=1), _ConvBn(seed=1)
@@ -91,7 +92,7 @@ def testMovingStatisticsGetOneMergedUpdatePerStep():
   _AssertStats(piped, _ExpectedStats(reference, x, [3, 3, 2, 2]))
 
 
-def testFitThenInferenceUsesTheMergedStatistics():
+def test_fit_then_inference_uses_the_merged_statistics():
   piped, reference = _ConvBn(seed=2), _ConvBn(seed=2)
   x, y = _Data(seed=2)
   pm = _Pipeline(piped, m=3)
@@ -103,7 +104,7 @@ def testFitThenInferenceUsesTheMergedStatistics():
                              atol=1e-6)
 
 
-def testOutsideAStepBatchNormUpdatesAtOnceButNotWhenRecomputing():
+def test_outside_a_step_batch_norm_updates_at_once_but_not_when_recomputing():
   model = _ConvBn(seed=3)
   pm = _Pipeline(model)
   stage = pm.pipe.cells[0]
@@ -126,7 +127,7 @@ def _DropoutModel(seed=0):
   return keras.Model(i, keras.layers.Dense(2, name='out')(h))
 
 
-def testDropoutMaskIsTheSameWhenRecomputed():
+def test_dropout_mask_is_the_same_when_recomputed():
   rng = np.random.RandomState(0)
   x = rng.randn(8, 8).astype(np.float32)
   y = rng.randn(8, 2).astype(np.float32)
@@ -146,3 +147,83 @@ def testDropoutMaskIsTheSameWhenRecomputed():
   # without it only through the mask; this just guards against a no-op).
   assert not all(np.allclose(a, b) for a, b in zip(grads['never'],
                                                    no_dropout))
+
+
+class _Block(keras.layers.Layer):
+  """A custom layer calling a batch norm and a dropout of its own."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = keras.layers.Dense(6, name='dense')
+    self.bn = keras.layers.BatchNormalization(momentum=0.8, name='inner_bn')
+    self.drop = keras.layers.Dropout(0.5, name='inner_drop')
+
+  def build(self, input_shape):
+    self.dense.build(input_shape)
+    self.bn.build(input_shape[:-1] + (6,))
+
+  def call(self, x, training=None):
+    return self.drop(self.bn(self.dense(x), training=training),
+                     training=training)
+
+
+def _NestedModel(seed=0):
+  keras.utils.set_random_seed(seed)
+  i = keras.Input((5,))
+  h = keras.layers.Dense(5, name='first')(i)
+  h = _Block(name='block')(h)
+  return keras.Model(i, keras.layers.Dense(2, name='out')(h))
+
+
+def test_nested_batch_norm_and_dropout_are_exact_under_remat():
+  """Inside a custom layer too: one merged update, the same recomputed mask."""
+  rng = np.random.RandomState(4)
+  x = rng.randn(10, 5).astype(np.float32)
+  y = rng.randn(10, 2).astype(np.float32)
+  grads, stats = {}, {}
+  for remat in ('always', 'never'):
+    model = _NestedModel()
+    pm = tfpipe.keras.pipeline(model, num_partitions=2, num_micro_batches=3,
+                               devices=DEVICES[:2], balance=[2, 1],
+                               remat_policy=remat)
+    pm.compile(loss='mse', run_eagerly=True)
+    grads[remat] = pm.ComputeLossAndGradients(x, y)[1]
+    bn = model.get_layer('block').bn
+    stats[remat] = bn.moving_mean.numpy()
+    # One update with the full batch's statistics of the bn's input.
+    bn_input = model.get_layer('block').dense(model.get_layer('first')(x))
+    np.testing.assert_allclose(stats[remat], 0.2 * np.mean(bn_input, 0),
+                               rtol=1e-4, atol=1e-6)
+  for a, b in zip(grads['always'], grads['never']):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('layer', [
+    lambda: keras.layers.GaussianDropout(0.3, name='rand'),
+    lambda: keras.layers.AlphaDropout(0.3, name='rand'),
+    lambda: keras.layers.SpatialDropout1D(0.3, name='rand'),
+    lambda: keras.layers.LSTM(4, dropout=0.3, recurrent_dropout=0.3,
+                              return_sequences=True, name='rand'),
+    lambda: keras.layers.MultiHeadAttention(2, 2, dropout=0.3, name='rand'),
+])
+def test_random_layers_give_the_same_gradients_with_and_without_remat(layer):
+  rng = np.random.RandomState(5)
+  x = rng.randn(6, 3, 4).astype(np.float32)
+  y = rng.randn(6, 2).astype(np.float32)
+  grads = {}
+  for remat in ('always', 'never'):
+    keras.utils.set_random_seed(1)
+    i = keras.Input((3, 4))
+    random_layer = layer()
+    h = keras.layers.Dense(4, name='before')(i)
+    h = (random_layer(h, h) if isinstance(
+        random_layer, keras.layers.MultiHeadAttention) else random_layer(h))
+    h = keras.layers.Flatten(name='flat')(h)
+    model = keras.Model(i, keras.layers.Dense(2, name='out')(h))
+    pm = tfpipe.keras.pipeline(model, num_partitions=2, num_micro_batches=2,
+                               devices=DEVICES[:2], balance=[2, 2],
+                               remat_policy=remat)
+    pm.compile(loss='mse', run_eagerly=True)
+    grads[remat] = pm.ComputeLossAndGradients(x, y)[1]
+  for a, b in zip(grads['always'], grads['never']):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

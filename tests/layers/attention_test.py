@@ -41,7 +41,7 @@ def _RandomizeBiases(layer, seed):
 
 
 @pytest.mark.parametrize('causal', [False, True])
-def testAttentionMatchesNumpy(causal):
+def test_attention_matches_numpy(causal):
   p = layers.MultiHeadAttention.Params().Set(
       name='atten', input_dim=6, num_heads=2, hidden_dim=8, causal=causal,
       random_seed=0)
@@ -57,7 +57,7 @@ def testAttentionMatchesNumpy(causal):
       int(np.prod(v.shape)) for v in atten.trainable_weights)
 
 
-def testCausalAttentionIgnoresTheFuture():
+def test_causal_attention_ignores_the_future():
   atten = layers.MultiHeadAttention.Params().Set(
       name='atten', input_dim=4, num_heads=2, causal=True).Instantiate()
   x = np.random.RandomState(0).randn(1, 6, 4).astype(np.float32)
@@ -67,7 +67,7 @@ def testCausalAttentionIgnoresTheFuture():
                              rtol=1e-5, atol=1e-6)
 
 
-def testAttentionDropoutIsDeterministicPerStepSeed():
+def test_attention_dropout_is_deterministic_per_step_seed():
   atten = layers.MultiHeadAttention.Params().Set(
       name='atten', input_dim=4, num_heads=1,
       atten_dropout_prob=0.5).Instantiate()
@@ -79,7 +79,7 @@ def testAttentionDropoutIsDeterministicPerStepSeed():
   assert not np.allclose(a, atten(x, training=False).numpy())
 
 
-def testTransformerMatchesComposition():
+def test_transformer_matches_composition():
   p = layers.TransformerLayer.Params().Set(
       name='xformer', input_dim=8, num_heads=2, hidden_dim=16, causal=True,
       activation='relu', random_seed=4)
@@ -111,7 +111,7 @@ def testTransformerMatchesComposition():
       layer.atten.p, (None, 5, 8)).flops
 
 
-def testTransformerVariablesOnDevice():
+def test_transformer_variables_on_device():
   with tf.device('/CPU:3'):
     layer = layers.TransformerLayer.Params().Set(
         name='xformer', input_dim=4, num_heads=1, hidden_dim=8).Instantiate()

@@ -10,7 +10,7 @@ from tfpipe import layers
 @pytest.mark.parametrize('padding,stride', [('SAME', (1, 1)),
                                             ('VALID', (2, 2)),
                                             ('SAME', (2, 1))])
-def testConvMatchesTfNn(padding, stride):
+def test_conv_matches_tf_nn(padding, stride):
   p = layers.Conv2DLayer.Params().Set(
       name='conv', filter_shape=(3, 3, 2, 4), filter_stride=stride,
       padding=padding, activation='relu', random_seed=3)
@@ -30,7 +30,7 @@ def testConvMatchesTfNn(padding, stride):
   assert meta.activation_bytes == 4 * positions * 4
 
 
-def testConvNoBiasMatchesNumpy():
+def test_conv_no_bias_matches_numpy():
   conv = layers.Conv2DLayer.Params().Set(
       name='conv', filter_shape=(1, 1, 3, 2), has_bias=False,
       activation='none').Instantiate()
@@ -39,7 +39,7 @@ def testConvNoBiasMatchesNumpy():
   np.testing.assert_allclose(conv(x).numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def testConvVariablesOnDevice():
+def test_conv_variables_on_device():
   with tf.device('/CPU:2'):
     conv = layers.Conv2DLayer.Params().Set(
         name='conv', filter_shape=(3, 3, 1, 1)).Instantiate()

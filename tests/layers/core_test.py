@@ -20,7 +20,7 @@ def _Fc(name, din, dout, act='relu', **kw):
     ('tanh', np.tanh),
     ('none', lambda x: x),
 ])
-def testFCMatchesNumpy(act, fn):
+def test_fc_matches_numpy(act, fn):
   fc = _Fc('fc', 3, 4, act).Instantiate()
   fc.b.assign(np.arange(4, dtype=np.float32) * 0.1)
   x = np.random.RandomState(0).randn(2, 5, 3).astype(np.float32)
@@ -28,7 +28,7 @@ def testFCMatchesNumpy(act, fn):
   np.testing.assert_allclose(fc(x).numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def testFCNoBiasAndMeta():
+def test_fc_no_bias_and_meta():
   p = _Fc('fc', 3, 4, has_bias=False)
   fc = p.Instantiate()
   assert fc.b is None and len(fc.trainable_weights) == 1
@@ -43,14 +43,14 @@ def testFCNoBiasAndMeta():
   assert tuple(fc(np.ones((2, 7, 3), np.float32)).shape) == (2, 7, 4)
 
 
-def testDropoutIdentityOutsideTraining():
+def test_dropout_identity_outside_training():
   d = layers.DropoutLayer.Params().Set(name='d', keep_prob=0.5).Instantiate()
   x = np.ones((4, 8), np.float32)
   np.testing.assert_array_equal(d(x).numpy(), x)
   np.testing.assert_array_equal(d(x, training=False).numpy(), x)
 
 
-def testDropoutStatelessMaskIsDeterministic():
+def test_dropout_stateless_mask_is_deterministic():
   d = layers.DropoutLayer.Params().Set(name='d', keep_prob=0.5).Instantiate()
   x = np.ones((16, 32), np.float32)
   with base_layer.StepSeed(tf.constant([1, 2])):
@@ -65,7 +65,7 @@ def testDropoutStatelessMaskIsDeterministic():
   assert 0.3 < (a > 0).mean() < 0.7
 
 
-def testDropoutWithoutStepSeedVariesAndIsSeedable():
+def test_dropout_without_step_seed_varies_and_is_seedable():
   def Masks(seed):
     d = layers.DropoutLayer.Params().Set(
         name='d', keep_prob=0.5, random_seed=seed).Instantiate()
@@ -77,7 +77,7 @@ def testDropoutWithoutStepSeedVariesAndIsSeedable():
   np.testing.assert_array_equal(a1, b1)  # Same random_seed, same masks.
 
 
-def testDropoutRecomputeGradMatches():
+def test_dropout_recompute_grad_matches():
   d = layers.DropoutLayer.Params().Set(name='d', keep_prob=0.5).Instantiate()
   x = tf.Variable(np.random.RandomState(0).randn(8, 16).astype(np.float32))
 
@@ -96,7 +96,7 @@ def testDropoutRecomputeGradMatches():
                              rtol=1e-6)
 
 
-def testDropoutMeta():
+def test_dropout_meta():
   p = layers.DropoutLayer.Params().Set(name='d', keep_prob=0.9)
   meta = layers.DropoutLayer.FPropMeta(p, (None, 3))
   assert meta.output_shape == (None, 3) and meta.num_params == 0
@@ -107,7 +107,7 @@ def _Mlp():
       _Fc('fc0', 4, 8), _Fc('fc1', 8, 2, 'none')])
 
 
-def testSequentialMatchesComposition():
+def test_sequential_matches_composition():
   mlp = _Mlp().Instantiate()
   x = np.random.RandomState(1).randn(3, 4).astype(np.float32)
   fc0, fc1 = mlp.sub
@@ -116,7 +116,7 @@ def testSequentialMatchesComposition():
   np.testing.assert_allclose(mlp(x).numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def testSequentialMetaSumsChildren():
+def test_sequential_meta_sums_children():
   p = _Mlp()
   meta = layers.SequentialLayer.FPropMeta(p, (None, 4))
   assert meta.output_shape == (None, 2)
@@ -129,7 +129,7 @@ def testSequentialMetaSumsChildren():
   assert tuple(mlp(np.ones((5, 4), np.float32)).shape) == (5, 2)
 
 
-def testSequentialPlacesVariablesOnDevice():
+def test_sequential_places_variables_on_device():
   p = layers.SequentialLayer.Params().Set(name='seq', sub=[
       layers.KerasLayer.Params().Set(
           name='conv', cls=keras.layers.Conv2D,
@@ -151,7 +151,7 @@ def testSequentialPlacesVariablesOnDevice():
       None, 2)
 
 
-def testBaseLayerModelTrainsWithFit():
+def test_base_layer_model_trains_with_fit():
   keras.utils.set_random_seed(0)
   model = keras.Sequential([_Mlp().Instantiate()])
   model.compile(optimizer=keras.optimizers.Adam(0.05), loss='mse')
@@ -161,3 +161,44 @@ def testBaseLayerModelTrainsWithFit():
   history = model.fit(x, y, epochs=15, batch_size=16, verbose=0)
   losses = history.history['loss']
   assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _DropoutInStep(layer, x, step=1, micro_batch=0, offset=0):
+  with base_layer.StepSeed(tf.constant([step, micro_batch], tf.int64),
+                           offset):
+    return layer(x, training=True).numpy()
+
+
+def test_dropout_mask_does_not_depend_on_the_micro_batch_split():
+  """Per-example masks: any split with the right offsets gives the same mask."""
+  d = layers.DropoutLayer.Params().Set(name='d', keep_prob=0.5).Instantiate()
+  x = np.ones((10, 3, 4), np.float32)
+  whole = _DropoutInStep(d, x)
+  for sizes in ([10], [4, 3, 3], [1, 9], [3, 3, 2, 2]):
+    parts, start = [], 0
+    for m, size in enumerate(sizes):
+      parts.append(_DropoutInStep(d, x[start:start + size], micro_batch=m,
+                                  offset=start))
+      start += size
+    np.testing.assert_array_equal(np.concatenate(parts), whole,
+                                  err_msg=str(sizes))
+  assert not np.array_equal(_DropoutInStep(d, x, step=2), whole)
+  # Without an offset the mask is drawn per micro-batch (still repeatable).
+  with base_layer.StepSeed(tf.constant([1, 0], tf.int64)):
+    a = d(x, training=True).numpy()
+    b = d(x, training=True).numpy()
+  np.testing.assert_array_equal(a, b)
+
+
+def test_dropout_mask_is_the_same_in_any_cell():
+  """Masks follow the layer's path inside its cell, not the cell's name."""
+  def Mask(cell_name):
+    cell = layers.SequentialLayer.Params().Set(name=cell_name, sub=[
+        layers.DropoutLayer.Params().Set(name='drop', keep_prob=0.5)
+    ]).Instantiate()
+    return _DropoutInStep(cell, np.ones((4, 6), np.float32))
+  np.testing.assert_array_equal(Mask('cell0'), Mask('cell2'))
+  other = layers.DropoutLayer.Params().Set(name='other', keep_prob=0.5)
+  assert not np.array_equal(
+      _DropoutInStep(other.Instantiate(), np.ones((4, 6), np.float32)),
+      Mask('cell0'))

@@ -9,7 +9,7 @@ from tfpipe import layers
 
 
 @pytest.mark.parametrize('scale', [False, True])
-def testEmbeddingMatchesGather(scale):
+def test_embedding_matches_gather(scale):
   p = layers.EmbeddingLayer.Params().Set(
       name='emb', vocab_size=10, embedding_dim=4, scale_sqrt_depth=scale,
       random_seed=0)

@@ -18,7 +18,7 @@ def _Data():
   return logits, labels
 
 
-def testLossAndAccuracyMatchNumpy():
+def test_loss_and_accuracy_match_numpy():
   logits, labels = _Data()
   loss, acc = layers.SoftmaxCrossEntropyLoss(logits, labels)
   np.testing.assert_allclose(loss.numpy(), _NumpyXent(logits, labels).mean(),
@@ -27,7 +27,7 @@ def testLossAndAccuracyMatchNumpy():
                              (logits.argmax(-1) == labels).mean(), rtol=1e-6)
 
 
-def testWeightedLoss():
+def test_weighted_loss():
   logits, labels = _Data()
   weights = np.random.RandomState(1).rand(4, 3).astype(np.float32)
   weights[0] = 0.0
@@ -41,7 +41,7 @@ def testWeightedLoss():
                              rtol=1e-5)
 
 
-def testSoftLabelsEqualOneHot():
+def test_soft_labels_equal_one_hot():
   logits, labels = _Data()
   one_hot = np.eye(5, dtype=np.float32)[labels]
   hard, _ = layers.SoftmaxCrossEntropyLoss(logits, labels)
@@ -49,7 +49,7 @@ def testSoftLabelsEqualOneHot():
   np.testing.assert_allclose(soft.numpy(), hard.numpy(), rtol=1e-6)
 
 
-def testLossLayer():
+def test_loss_layer():
   logits, labels = _Data()
   p = layers.SoftmaxCrossEntropy.Params().Set(name='xent')
   layer = p.Instantiate()

@@ -17,7 +17,7 @@ def _Data(shape, seed=0):
   return (rng.randn(*shape) * 2.0 + 1.5).astype(np.float32)
 
 
-def testBatchNormTrainingMatchesNumpy():
+def test_batch_norm_training_matches_numpy():
   bn = _Bn().Instantiate()
   bn.gamma.assign([1.0, 2.0, 0.5])
   bn.beta.assign([0.0, -1.0, 0.3])
@@ -32,7 +32,7 @@ def testBatchNormTrainingMatchesNumpy():
                              rtol=1e-5)
 
 
-def testBatchNormEvalUsesMovingStats():
+def test_batch_norm_eval_uses_moving_stats():
   bn = _Bn().Instantiate()
   bn.moving_mean.assign([1.0, 2.0, 3.0])
   bn.moving_variance.assign([4.0, 1.0, 0.25])
@@ -44,7 +44,7 @@ def testBatchNormEvalUsesMovingStats():
   np.testing.assert_allclose(bn.moving_mean.numpy(), [1.0, 2.0, 3.0])
 
 
-def testDeferredBatchNormEqualsFullBatchUpdate():
+def test_deferred_batch_norm_equals_full_batch_update():
   x = _Data((8, 2, 3), seed=2)
   full = _Bn().Instantiate()
   full(x, training=True)
@@ -69,7 +69,7 @@ def testDeferredBatchNormEqualsFullBatchUpdate():
   np.testing.assert_allclose(outs[1].numpy(), want, rtol=1e-4, atol=1e-5)
 
 
-def testDeferredBatchNormInTfFunction():
+def test_deferred_batch_norm_in_tf_function():
   x = _Data((8, 3), seed=3)
   full = _Bn().Instantiate()
   full(x, training=True)
@@ -90,7 +90,7 @@ def testDeferredBatchNormInTfFunction():
                              full.moving_variance.numpy(), rtol=1e-5)
 
 
-def testBatchNormMeta():
+def test_batch_norm_meta():
   p = _Bn()
   meta = layers.BatchNormLayer.FPropMeta(p, (None, 4, 3))
   assert meta.output_shape == (None, 4, 3)
@@ -98,7 +98,7 @@ def testBatchNormMeta():
       int(np.prod(v.shape)) for v in p.Instantiate().trainable_weights)
 
 
-def testLayerNormMatchesNumpy():
+def test_layer_norm_matches_numpy():
   p = layers.LayerNorm.Params().Set(name='ln', input_dim=4, epsilon=1e-6)
   ln = p.Instantiate()
   ln.scale.assign([1.0, 2.0, 3.0, 0.5])

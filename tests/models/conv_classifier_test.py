@@ -6,7 +6,7 @@ import tensorflow as tf
 from models import conv_classifier
 
 
-def testLayerListRunsAndCostModelMatches():
+def test_layer_list_runs_and_cost_model_matches():
   model = conv_classifier.ConvClassifier.Params().Set(
       image_size=8, channels=2, num_classes=5, base_width=4,
       blocks_per_stage=[2, 1]).Instantiate()
@@ -27,7 +27,7 @@ def testLayerListRunsAndCostModelMatches():
   assert shape == (3, 5)
 
 
-def testResidualBlockProjectsOnlyWhenShapesChange():
+def test_residual_block_projects_only_when_shapes_change():
   same = conv_classifier.ResidualBlock.Params().Set(
       name='b', in_channels=4, out_channels=4).Instantiate()
   assert 'proj' not in same.children
@@ -39,7 +39,7 @@ def testResidualBlockProjectsOnlyWhenShapesChange():
   assert float(tf.reduce_min(out)) >= 0.0  # Ends in a ReLU.
 
 
-def testGlobalAveragePool():
+def test_global_average_pool():
   layer = conv_classifier.GlobalAveragePoolLayer.Params().Set(
       name='pool').Instantiate()
   x = tf.reshape(tf.range(8, dtype=tf.float32), (1, 2, 2, 2))

@@ -7,7 +7,7 @@ import tensorflow as tf
 from models import mlp
 
 
-def testLayerList():
+def test_layer_list():
   model = mlp.Mlp.Params().Set(input_dim=5, hidden_dim=7, num_hidden_layers=2,
                                num_classes=3).Instantiate()
   lps = model.LayerParamsList()
@@ -22,7 +22,7 @@ def testLayerList():
   assert names == ['fc_0', 'dropout_0', 'fc_1', 'dropout_1', 'logits']
 
 
-def testClassificationLoss():
+def test_classification_loss():
   logits = tf.constant([[2.0, 0.0], [0.0, 2.0]])
   loss, metrics = mlp.ClassificationLoss(logits, tf.constant([0, 0]))
   want = (np.log1p(np.exp(-2.0)) + np.log1p(np.exp(2.0))) / 2

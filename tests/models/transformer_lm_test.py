@@ -13,7 +13,7 @@ def _Model(**kwargs):
       num_heads=2, hidden_dim=16, **kwargs).Instantiate()
 
 
-def testLayerListRunsAndCostModelMatches():
+def test_layer_list_runs_and_cost_model_matches():
   model = _Model()
   lps = model.LayerParamsList()
   assert [lp.name for lp in lps] == [
@@ -34,7 +34,7 @@ def testLayerListRunsAndCostModelMatches():
   assert model.InputDtype() == 'int32'
 
 
-def testPositionalEmbeddingAddsPerPosition():
+def test_positional_embedding_adds_per_position():
   layer = transformer_lm.PositionalEmbeddingLayer.Params().Set(
       name='pos', max_length=5, embedding_dim=3).Instantiate()
   out = layer(tf.zeros([2, 4, 3]))
@@ -45,7 +45,7 @@ def testPositionalEmbeddingAddsPerPosition():
         name='pos', embedding_dim=3).Instantiate()
 
 
-def testLossIgnoresNegativeTargets():
+def test_loss_ignores_negative_targets():
   logits = tf.constant([[[5.0, 0.0], [0.0, 5.0], [5.0, 0.0]]])
   loss, metrics = transformer_lm.LmLoss(logits, tf.constant([[0, 0, -1]]))
   want = (np.log1p(np.exp(-5.0)) + np.log1p(np.exp(5.0))) / 2

@@ -11,7 +11,7 @@ _NAMES = model_registry.ListModels()
 
 
 @pytest.mark.parametrize('name', _NAMES)
-def testParamsAreValidAndCostModelRuns(name):
+def test_params_are_valid_and_cost_model_runs(name):
   p = model_registry.GetParams(name)
   task_lib.BaseTask.CheckParams(
       p.task, {'input.batch_size': p.input.batch_size,
@@ -32,7 +32,7 @@ def testParamsAreValidAndCostModelRuns(name):
 
 
 @pytest.mark.parametrize('name', _NAMES)
-def testConfigFileEndsWithItsCommand(name):
+def test_config_file_ends_with_its_command(name):
   module = model_registry.GetClass(name).__module__
   path = os.path.join(os.path.dirname(__file__), '..', '..',
                       *module.split('.')) + '.py'
@@ -43,7 +43,7 @@ def testConfigFileEndsWithItsCommand(name):
   assert last.startswith('#   python -m tfpipe.trainer --model=')
 
 
-def testDefaultModelIsTheTinyLm():
+def test_default_model_is_the_tiny_lm():
   assert 'lm.TinyTransformerLm' in _NAMES
   p = model_registry.GetParams('lm.TinyTransformerLm')
   assert p.task.pipeline.num_partitions == 2

@@ -29,7 +29,7 @@ def _Rows(table):
           if re.match(r'cell\d', line)]
 
 
-def testTableDescribesEachCell():
+def test_table_describes_each_cell():
   p = _Params(num_partitions=2, num_micro_batches=4, balance=[2, 3])
   table = model_inspect.ModelTable(p)
   header = table.splitlines()[0]
@@ -50,7 +50,7 @@ def testTableDescribesEachCell():
   assert total[0] == 'total' and total[1] == f'{_TINY_MLP_PARAMS:,}'
 
 
-def testTableShowsConfiguredDevicesAndSchedule():
+def test_table_shows_configured_devices_and_schedule():
   p = _Params(num_partitions=3, num_micro_batches=2, schedule='1f1b',
               devices=['/CPU:5', '/CPU:6', '/CPU:7'])
   table = model_inspect.ModelTable(p)
@@ -60,7 +60,7 @@ def testTableShowsConfiguredDevicesAndSchedule():
   assert sum(int(r[2].replace(',', '')) for r in rows) == _TINY_MLP_PARAMS
 
 
-def testTooManyPartitionsFailsLikeTraining():
+def test_too_many_partitions_fails_like_training():
   with pytest.raises(ValueError, match='needs 16 devices'):
     model_inspect.ModelTable(_Params(num_partitions=16))
 
@@ -68,5 +68,5 @@ def testTooManyPartitionsFailsLikeTraining():
 @pytest.mark.parametrize('value,text', [
     (0, '0'), (999, '999'), (1234, '1.23K'), (1.5e6, '1.5M'), (2e9, '2G'),
     (3e12, '3T'), (4e15, '4P')])
-def testHumanUnits(value, text):
+def test_human_units(value, text):
   assert model_inspect._Human(value) == text  # pylint: disable=protected-access

@@ -19,13 +19,13 @@ def _Values(schedule, steps):
   return np.array([float(schedule(s)) for s in steps])
 
 
-def testConstantWithLinearWarmup():
+def test_constant_with_linear_warmup():
   s = _Schedule(warmup_steps=4)
   np.testing.assert_allclose(_Values(s, [0, 1, 3, 4, 100]),
                              [0.5, 1.0, 2.0, 2.0, 2.0], rtol=1e-6)
 
 
-def testCosineDecay():
+def test_cosine_decay():
   s = _Schedule(warmup_steps=10, decay='cosine', decay_steps=100,
                 min_ratio=0.1)
   steps = [9, 10, 35, 60, 110, 500]
@@ -36,25 +36,25 @@ def testCosineDecay():
   np.testing.assert_allclose(_Values(s, steps), want, rtol=1e-5)
 
 
-def testExponentialDecay():
+def test_exponential_decay():
   s = _Schedule(decay='exponential', decay_steps=10, decay_rate=0.5,
                 min_ratio=0.2)
   np.testing.assert_allclose(_Values(s, [0, 10, 15, 20, 100]),
                              [2.0, 1.0, 2 * 0.5**1.5, 0.5, 0.4], rtol=1e-5)
 
 
-def testInverseSqrtDecay():
+def test_inverse_sqrt_decay():
   s = _Schedule(warmup_steps=4, decay='inverse_sqrt')
   np.testing.assert_allclose(_Values(s, [1, 3, 15, 63]),
                              [1.0, 2.0, 1.0, 0.5], rtol=1e-6)
 
 
-def testBadScheduleNamesTheParam():
+def test_bad_schedule_names_the_param():
   with pytest.raises(ValueError, match=r'lr_schedule.decay=.linear'):
     _Schedule(decay='linear')
 
 
-def testClipByGlobalNorm():
+def test_clip_by_global_norm():
   grads = [tf.constant([3.0, 0.0]), tf.constant([[4.0]])]
   clipped, norm = optimizer.ClipGradients(grads, 1.0)
   assert float(norm) == pytest.approx(5.0)
@@ -67,7 +67,7 @@ def testClipByGlobalNorm():
   np.testing.assert_allclose(small[1], [[4.0]])
 
 
-def testBuildOptimizers():
+def test_build_optimizers():
   p = optimizer.OptimizerParams()
   assert isinstance(optimizer.BuildOptimizer(p, 0.1), keras.optimizers.Adam)
   sgd = optimizer.BuildOptimizer(p.Copy().Set(type='sgd', momentum=0.5), 0.1)
@@ -79,7 +79,7 @@ def testBuildOptimizers():
     optimizer.BuildOptimizer(p.Copy().Set(type='adagrad'), 0.1)
 
 
-def testSgdStepUsesScheduledRate():
+def test_sgd_step_uses_scheduled_rate():
   var = tf.Variable([1.0])
   opt = optimizer.BuildOptimizer(
       optimizer.OptimizerParams().Set(type='sgd', momentum=0.0),

@@ -5,6 +5,7 @@ import pytest
 
 from models import conv_classifier
 from models import mlp
+from tfpipe import placement
 from tfpipe.trainer import input_generator
 from tfpipe.trainer import task as task_lib
 
@@ -33,7 +34,7 @@ def _Losses(task, num_steps):
   return np.array(losses)
 
 
-def testPipelinedTrainingMatchesUnpipelined():
+def test_pipelined_training_matches_unpipelined():
   """50 steps with K=1, M=1 and with K=4, M=8 give the same loss curve."""
   single = _MlpTaskParams(1, 1).Instantiate()
   piped = _MlpTaskParams(4, 8).Instantiate()
@@ -49,7 +50,7 @@ def testPipelinedTrainingMatchesUnpipelined():
   assert int(piped.global_step.numpy()) == 50
 
 
-def testBatchThatMicroBatchesDoNotDivideTrainsTheSame():
+def test_batch_that_micro_batches_do_not_divide_trains_the_same():
   """16 examples over M=3 (sizes 6, 5, 5): the update is the full batch's."""
   single = _MlpTaskParams(1, 1).Instantiate()
   uneven = _MlpTaskParams(2, 3).Instantiate()
@@ -58,7 +59,7 @@ def testBatchThatMicroBatchesDoNotDivideTrainsTheSame():
                              rtol=1e-5)
 
 
-def testThreadedExecutorTrainsTheSameAsTheGraphExecutor():
+def test_threaded_executor_trains_the_same_as_the_graph_executor():
   """--executor=threads changes how steps are dispatched, not the model."""
   graph = _MlpTaskParams(2, 4).Instantiate()
   threaded_p = _MlpTaskParams(2, 4)
@@ -72,7 +73,22 @@ def testThreadedExecutorTrainsTheSameAsTheGraphExecutor():
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def testTrainStepReportsScalars():
+@pytest.mark.parametrize('schedule,devices', [
+    ('zb_h1', None), ('interleaved_1f1b', ['/CPU:0', '/CPU:1'] * 2)])
+def test_zero_bubble_and_interleaved_schedules_train_like_one_device(
+    schedule, devices):
+  """--schedule takes the new schedules; interleaving lists each device twice."""
+  single = _MlpTaskParams(1, 1).Instantiate()
+  p = _MlpTaskParams(4, 3)
+  p.pipeline.Set(schedule=schedule, devices=devices)
+  task_lib.BaseTask.CheckParams(p, {'input.batch_size': 16})
+  piped = p.Instantiate()
+  np.testing.assert_allclose(_Losses(piped, 20), _Losses(single, 20),
+                             rtol=1e-4)
+  assert piped.pipe.Schedule(3).num_devices == (2 if devices else 4)
+
+
+def test_train_step_reports_scalars():
   task = _MlpTaskParams(2, 2, clip_gradient_norm=1e-3).Instantiate()
   batch = next(iter(_Input().GetDataset(0)))
   out = task.TrainStep(batch)
@@ -84,7 +100,7 @@ def testTrainStepReportsScalars():
   assert 0.0 <= metrics['accuracy'] <= 1.0
 
 
-def testBatchNormModelTrains():
+def test_batch_norm_model_trains():
   p = task_lib.BaseTask.Params()
   p.model = conv_classifier.ConvClassifier.Params().Set(
       image_size=8, channels=1, num_classes=3, base_width=4,
@@ -110,31 +126,29 @@ def testBatchNormModelTrains():
      r"task.pipeline.remat_policy='sometimes'"),
     ({'pipeline.balance': 'luck'}, 16, r"task.pipeline.balance='luck'"),
     ({'pipeline.executor': 'fibers'}, 16, r"task.pipeline.executor='fibers'"),
-    ({'pipeline.executor': 'threads', 'pipeline.remat_policy': 'never'}, 16,
-     r"remat_policy='always' \(--remat_policy=always\)"),
     ({'pipeline.num_partitions': 0}, 16, r'task.pipeline.num_partitions'),
     ({'train.optimizer.type': 'adagrad'}, 16,
      r"task.train.optimizer.type='adagrad'"),
     ({'train.max_steps': 0}, 16, r'task.train.max_steps must be >= 1'),
     ({'model': None}, 16, r'task.model is not set'),
 ])
-def testCheckParamsNamesTheBadParam(change, batch, message):
+def test_check_params_names_the_bad_param(change, batch, message):
   p = _MlpTaskParams(1, 1).Set(**change)
   with pytest.raises(ValueError, match=message):
     task_lib.BaseTask.CheckParams(p, {'input.batch_size': batch})
 
 
-def testMorePartitionsThanDevices():
+def test_more_partitions_than_devices():
   p = _MlpTaskParams(9, 1)
   with pytest.raises(ValueError, match=r'task.pipeline.num_partitions.*9 needs '
                      r'9 devices but only 8 .*--num_devices'):
-    task_lib.ResolveDevices(p.pipeline)
+    task_lib.PipelineDevices(p.pipeline)
   p.pipeline.devices = ['/CPU:1', '/CPU:0']
   p.pipeline.num_partitions = 2
-  assert task_lib.ResolveDevices(p.pipeline) == ['/CPU:1', '/CPU:0']
+  assert task_lib.PipelineDevices(p.pipeline) == ['/CPU:1', '/CPU:0']
 
 
-def testDescribeCells():
+def test_describe_cells():
   p = _MlpTaskParams(3, 1)
   model = p.model.Instantiate()
   cells = task_lib.PartitionCells(p, model)
@@ -148,3 +162,36 @@ def testDescribeCells():
   # Seeds are distinct per layer, so layers do not start identical.
   seeds = [lp.random_seed for c in cells for lp in c.sub]
   assert len(set(seeds)) == len(seeds)
+
+
+def _NoPlacement(monkeypatch):
+  """What the trainer's update was before placement: no device at all."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(placement, 'FollowInputDevices', contextlib.nullcontext)
+  monkeypatch.setattr(placement, 'FollowInputDevicesToTheEnd', lambda: None)
+  monkeypatch.setattr(placement, 'OnVariableDevices', lambda ts, vs: list(ts))
+
+
+@pytest.mark.parametrize('executor', ['graph', 'threads'])
+def test_train_step_places_every_op_on_its_cells_device(executor,
+                                                        monkeypatch):
+  """The placement audit: what the trainer traces has no op left unplaced.
+
+  Logical CPUs share one allocator, so a misplaced update costs nothing
+  here and runs out of memory on GPU:0; the audit reads the traced graphs.
+  """
+  p = _MlpTaskParams(4, 3)
+  p.pipeline.executor = executor
+  task = p.Instantiate()
+  inputs, targets = next(iter(_Input().GetDataset(0)))
+  pipe_step = lambda x, y: task.pipe._CompiledStep(  # pylint: disable=protected-access
+      x, y, task.model.Loss, True, task.global_step, False)
+  out = task.pipe.ComputeLossAndGradients(inputs, targets, task.model.Loss)
+  update = (out.loss, out.gradients, out.metrics)
+  findings = (placement.Audit(pipe_step, inputs, targets) +
+              placement.Audit(task._ApplyGradients, *update))  # pylint: disable=protected-access
+  assert not findings, placement.FormatFindings(findings)
+  # The same audit catches the unplaced update (the control).
+  _NoPlacement(monkeypatch)
+  unplaced = placement.Audit(task._ApplyGradients, *update)  # pylint: disable=protected-access
+  assert len(unplaced) > 20, placement.FormatFindings(unplaced)

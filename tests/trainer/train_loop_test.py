@@ -75,7 +75,7 @@ def _Reference(tmp_path_factory):
   return logdir, _Train(logdir)
 
 
-def testProgressLines(reference):
+def test_progress_lines(reference):
   _, lines = reference
   steps = [line for line in lines if line.startswith('step ')]
   assert len(steps) == _MAX_STEPS
@@ -93,7 +93,7 @@ def testProgressLines(reference):
   assert not any(line.startswith('Restored') for line in lines)
 
 
-def testSummariesAreWrittenToTheLogdir(reference):
+def test_summaries_are_written_to_the_logdir(reference):
   logdir, lines = reference
   train, plugins = _Events(logdir, 'train')
   assert plugins == {'scalars'}
@@ -109,7 +109,7 @@ def testSummariesAreWrittenToTheLogdir(reference):
   assert sorted(evaluated['loss']) == [2, 4, 5]
 
 
-def testCheckpointsKeepTheNewestAndTheFinalStep(reference):
+def test_checkpoints_keep_the_newest_and_the_final_step(reference):
   logdir, _ = reference
   ckpt_dir = os.path.join(logdir, train_loop.CHECKPOINT_DIR)
   state = tf.train.get_checkpoint_state(ckpt_dir)
@@ -120,7 +120,7 @@ def testCheckpointsKeepTheNewestAndTheFinalStep(reference):
   assert 'global_step/.ATTRIBUTES/VARIABLE_VALUE' in names
 
 
-def testResumeGivesIdenticalSubsequentLosses(reference, tmp_path):
+def test_resume_gives_identical_subsequent_losses(reference, tmp_path):
   ref_logdir, _ = reference
   want, _ = _Events(ref_logdir, 'train')
   first = _Train(tmp_path, crash_after_step=3)
@@ -137,7 +137,7 @@ def testResumeGivesIdenticalSubsequentLosses(reference, tmp_path):
     assert got['grad_norm'][step] == want['grad_norm'][step], step
 
 
-def testWriteScalarsAndFormatMetrics(tmp_path):
+def test_write_scalars_and_format_metrics(tmp_path):
   writer = tf.summary.create_file_writer(str(tmp_path / 'w'))
   train_loop.WriteScalars(writer, 7, {'a': 1.5, 'b': -2.0})
   values, plugins = _Events(tmp_path, 'w')
@@ -146,7 +146,7 @@ def testWriteScalarsAndFormatMetrics(tmp_path):
       'a=0.123457 z=1')
 
 
-def testTimelineStepWritesTheTimelineAndLeavesTrainingUnchanged(
+def test_timeline_step_writes_the_timeline_and_leaves_training_unchanged(
     reference, tmp_path):
   _, reference_lines = reference
   lines = []

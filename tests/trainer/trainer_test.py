@@ -4,6 +4,7 @@ The resume test runs the trainer as a subprocess, kills it with SIGKILL once
 a checkpoint exists, restarts it and requires exactly the losses of an
 uninterrupted run, both in the printed lines and in the TensorBoard events.
 """
+# bazel: deps=//params,//tfpipe/trainer:__main__
 
 import glob
 import os
@@ -16,9 +17,11 @@ import threading
 import time
 
 from absl import app
+from absl import flags
 import pytest
 import tensorflow as tf
 
+from tfpipe import devices
 from tfpipe import model_registry
 from tfpipe.trainer import train_loop
 from tfpipe.trainer import trainer
@@ -104,7 +107,7 @@ def _RunAndKill(logdir, kill_after_step, timeout=300):
   return ''.join(seen)
 
 
-def testKilledRunResumesWithExactlyTheSameLosses(tmp_path):
+def test_killed_run_resumes_with_exactly_the_same_losses(tmp_path):
   reference = _RunToCompletion(tmp_path / 'reference')
   want = _StepLosses(reference)
   assert sorted(want) == list(range(1, 21))
@@ -116,6 +119,9 @@ def testKilledRunResumesWithExactlyTheSameLosses(tmp_path):
   first = _RunAndKill(logdir, kill_after_step=6)
   assert os.path.exists(logdir / train_loop.CHECKPOINT_DIR / 'checkpoint')
   second = _RunToCompletion(logdir)
+  # The killed run's lock is taken over, saying whose it was.
+  assert re.search(r'Took over the lock of \S+ left by pid \d+ on host ',
+                   second), second
   restored = re.search(r'Restored \S+ at step (\d+)', second)
   assert restored, second
   assert 3 <= int(restored.group(1)) < 20
@@ -130,7 +136,7 @@ def testKilledRunResumesWithExactlyTheSameLosses(tmp_path):
   assert re.search(r'Final: .*eval: accuracy=', second)
 
 
-def testPartialCheckpointIsNeverRestored(tmp_path):
+def test_partial_checkpoint_is_never_restored(tmp_path):
   p = model_registry.GetParams('mlp.TinyMlp')
   p.task.train.Set(max_steps=8, save_interval_steps=4, log_interval_steps=4)
   p.task.eval.num_batches = 1
@@ -173,14 +179,14 @@ def _Parse(*args):
     (['--schedule=zigzag'], r"task.pipeline.schedule='zigzag'.*--schedule"),
     (['--remat_policy=sometimes'], r"remat_policy='sometimes'"),
 ])
-def testBadConfigurationNamesTheFlag(flags_reset, args, message):
+def test_bad_configuration_names_the_flag(flags_reset, args, message):
   del flags_reset
   _Parse(*args)
   with pytest.raises(app.UsageError, match=message):
     trainer.BuildParams()
 
 
-def testMorePartitionsThanDevices(flags_reset):
+def test_more_partitions_than_devices(flags_reset):
   del flags_reset
   _Parse('--num_partitions=9')
   p = trainer.BuildParams()
@@ -189,14 +195,14 @@ def testMorePartitionsThanDevices(flags_reset):
     trainer.CheckDevices(p)
 
 
-def testTrainNeedsLogdir(flags_reset):
+def test_train_needs_logdir(flags_reset):
   del flags_reset
   _Parse()
   with pytest.raises(app.UsageError, match='--logdir is required'):
     trainer.main(['tfpipe-train'])
 
 
-def testInspectParams(flags_reset, capsys):
+def test_inspect_params(flags_reset, capsys):
   del flags_reset
   _Parse('--mode=inspect_params', '--num_partitions=4',
          '--model_params_override=task.train.learning_rate: 0.01')
@@ -208,7 +214,7 @@ def testInspectParams(flags_reset, capsys):
   assert 'input.cls : tfpipe.trainer.input_generator.SequenceTaskInput' in text
 
 
-def testInspectModel(flags_reset, capsys):
+def test_inspect_model(flags_reset, capsys):
   del flags_reset
   _Parse('--mode=inspect_model', '--num_partitions=3', '--nodeterministic')
   trainer.main(['tfpipe-train'])
@@ -222,7 +228,7 @@ def testInspectModel(flags_reset, capsys):
   assert '70,160' in lines[-1]
 
 
-def testUnknownModelExitsCleanly():
+def test_unknown_model_exits_cleanly():
   out = subprocess.run(
       [sys.executable, '-m', 'tfpipe.trainer', '--model=lm.Tiny',
        '--logdir=/tmp/unused'],
@@ -230,3 +236,185 @@ def testUnknownModelExitsCleanly():
   assert out.returncode != 0
   assert 'Traceback' not in out.stderr
   assert "--model: Unknown model 'lm.Tiny'" in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize('flag', [
+    '--num_devices=-1', '--eval_interval_steps=-1', '--num_partitions=0',
+    '--max_steps=0', '--max_nan_skips=-1'])
+def test_negative_counts_are_refused_when_flags_are_parsed(flags_reset, flag):
+  del flags_reset
+  with pytest.raises(flags.IllegalFlagValueError, match=flag.split('=')[0]):
+    _Parse(flag)
+
+
+def test_negative_eval_interval_param_names_it(flags_reset):
+  del flags_reset
+  _Parse('--model_params_override=task.eval.interval_steps: -3')
+  with pytest.raises(app.UsageError,
+                     match=r'task.eval.interval_steps must be >= 0.*-3 '
+                     r'\(--eval_interval_steps\)'):
+    trainer.BuildParams()
+
+
+def test_more_partitions_than_layers_is_a_usage_error(flags_reset):
+  del flags_reset
+  _Parse('--num_partitions=100', '--logdir=/tmp/unused', '--mode=eval')
+  with pytest.raises(app.UsageError,
+                     match=r'^Cannot cut 6 layers into num_partitions=100 .*'
+                     r'--num_partitions'):
+    trainer.main(['tfpipe-train'])
+
+
+def test_unusable_logdir_is_a_usage_error(flags_reset, tmp_path):
+  del flags_reset
+  a_file = tmp_path / 'file'
+  a_file.write_text('not a directory')
+  for logdir, message in ((a_file, 'is a file, not a directory'),
+                          (a_file / 'run', f'lies under {a_file}')):
+    _Parse(f'--logdir={logdir}')
+    with pytest.raises(app.UsageError, match=message):
+      trainer.main(['tfpipe-train'])
+
+
+@pytest.mark.parametrize('args', [
+    ['--balance=2,4'], ['--balance=[2, 4]'],
+    ['--model_params_override=task.pipeline.balance: [2, 4]']])
+def test_balance_list_from_the_command_line(flags_reset, capsys, args):
+  del flags_reset
+  _Parse('--mode=inspect_model', '--num_partitions=2', '--nodeterministic',
+         *args)
+  trainer.main(['tfpipe-train'])
+  cells = [l for l in capsys.readouterr().out.splitlines()
+           if l.startswith('cell') and '/CPU:' in l]
+  assert [len(l.split('  ')[-1].split(', ')) for l in cells] == [2, 4]
+
+
+def test_unreadable_checkpoints_are_one_error_line(flags_reset, tmp_path,
+                                                   capsys):
+  del flags_reset
+  checkpoints = tmp_path / train_loop.CHECKPOINT_DIR
+  checkpoints.mkdir()
+  (checkpoints / 'ckpt-3.index').write_bytes(b'not an index')
+  (checkpoints / 'ckpt-3.data-00000-of-00001').write_bytes(b'not data')
+  _Parse(f'--logdir={tmp_path}', '--model=mlp.TinyMlp', '--run_locally=cpu',
+         '--nodeterministic')
+  assert trainer.main(['tfpipe-train']) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(
+      f'ERROR: No checkpoint in {checkpoints} reads back: ckpt-3: ')
+  assert sorted(os.listdir(checkpoints)) == [
+      'ckpt-3.data-00000-of-00001', 'ckpt-3.index']
+
+
+# ---- devices and start-up output ---------------------------------------------
+
+_STARTUP_MARKERS = ('absl::InitializeLog', 'oneDNN custom operations',
+                    'Could not find cuda drivers', 'cuInit',
+                    'cpu_feature_guard', 'To enable the following instructions')
+
+
+def _StartupLines(text):
+  return [line for line in text.splitlines()
+          if any(marker in line for marker in _STARTUP_MARKERS)]
+
+
+def _RunQuietly(*args):
+  env = dict(os.environ)
+  env.pop('TF_CPP_MIN_LOG_LEVEL', None)  # As a new user runs it.
+  return subprocess.run([sys.executable, '-m', 'tfpipe.trainer', *args],
+                        capture_output=True, text=True, timeout=180, env=env,
+                        check=False)
+
+
+def test_startup_prints_no_tensorflow_noise_unless_verbosity_asks(tmp_path):
+  inspect = _RunQuietly('--mode=inspect_params')
+  assert inspect.returncode == 0, inspect.stderr
+  assert _StartupLines(inspect.stdout + inspect.stderr) == []
+  assert inspect.stderr == ''
+  # The size comes from the cost models, so it is printed without building.
+  assert inspect.stdout.splitlines()[-1] == '# trainable parameters: 70,160'
+  train = _RunQuietly(f'--logdir={tmp_path}', '--model=mlp.TinyMlp',
+                      '--max_steps=2', '--log_interval_steps=1',
+                      '--num_partitions=2', '--run_locally=cpu')
+  assert train.returncode == 0, train.stderr
+  assert _StartupLines(train.stdout + train.stderr) == []
+  assert train.stdout.startswith('Training mlp.TinyMlp in ')
+  assert 'Final: step=2' in train.stdout
+  info = _RunQuietly('--mode=inspect_params', '--verbosity=0')
+  assert _StartupLines(info.stdout + info.stderr) == []
+  verbose = _RunQuietly('--mode=inspect_params', '--verbosity=1')
+  assert verbose.returncode == 0, verbose.stderr
+  assert _StartupLines(verbose.stderr), verbose.stderr
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+  """tf.config seen by tfpipe.devices: one H100 that is not started yet."""
+  from tests import devices_test  # pylint: disable=g-import-not-at-top
+  config = devices_test._FakeConfig()  # pylint: disable=protected-access
+  monkeypatch.setattr(devices, '_Config', lambda: config)
+  monkeypatch.setattr(devices, 'CudaTotalMemoryMb', lambda n: 81559)
+  return config
+
+
+@pytest.mark.parametrize('args, count, each', [
+    ([], 2, devices.UsableGpuMemoryMb(81559) // 2),
+    (['--num_devices=4'], 4, devices.UsableGpuMemoryMb(81559) // 4),
+    (['--logical_gpu_memory_mb=30000'], 2, 30000)])
+def test_one_gpu_is_split_for_two_partitions_and_the_trainer_says_so(
+    flags_reset, capsys, one_gpu, args, count, each):
+  del flags_reset
+  _Parse('--num_partitions=2', '--nodeterministic', *args)
+  split = trainer.ConfigureDevices(trainer.BuildParams())
+  assert split.counts == (count,) and split.memory_limit_mb == each
+  gpu = one_gpu.gpus[0]
+  assert one_gpu.calls == [
+      ('set_visible_devices', [gpu], 'GPU'),
+      ('set_logical_device_configuration', gpu,
+       [tf.config.LogicalDeviceConfiguration(memory_limit=each)] * count)]
+  lines = capsys.readouterr().out.splitlines()
+  why = (args[0] if args and 'num_devices' in args[0] else
+         'task.pipeline.num_partitions x num_replicas = 2')
+  assert lines == [f'Split GPU:0 into {count} logical GPUs of {each} MiB '
+                   f'each ({why}; ' + lines[0].split('; ', 1)[1]]
+  assert len(lines) == 1
+
+
+def test_num_devices_default_is_partitions_times_replicas(flags_reset):
+  del flags_reset
+  _Parse('--num_partitions=3', '--num_replicas=2')
+  assert trainer.NumDevicesNeeded(trainer.BuildParams()) == (
+      6, 'task.pipeline.num_partitions x num_replicas = 6')
+
+
+def test_gpu_asked_for_on_a_machine_without_one_is_a_usage_error(flags_reset):
+  del flags_reset
+  if tf.config.list_physical_devices('GPU'):
+    pytest.skip('This machine has a GPU.')
+  _Parse('--run_locally=gpu', '--nodeterministic')
+  with pytest.raises(app.UsageError,
+                     match=r'^--run_locally=gpu but no GPU is visible; use '
+                     r'--run_locally=cpu'):
+    trainer.ConfigureDevices(trainer.BuildParams())
+
+
+def test_logical_gpu_memory_on_a_cpu_run_is_a_usage_error(flags_reset):
+  del flags_reset
+  _Parse('--run_locally=cpu', '--logical_gpu_memory_mb=100',
+         '--nodeterministic')
+  with pytest.raises(app.UsageError, match=r'--logical_gpu_memory_mb=100 sets '
+                     r'the memory of logical GPUs, but this run is on the CPU'):
+    trainer.ConfigureDevices(trainer.BuildParams())
+
+
+def test_cpu_run_in_a_started_process_keeps_enough_devices(flags_reset,
+                                                           capsys):
+  del flags_reset
+  assert len(tf.config.list_logical_devices('CPU')) == 8  # Started.
+  _Parse('--run_locally=cpu', '--num_partitions=4', '--nodeterministic')
+  assert trainer.ConfigureDevices(trainer.BuildParams()) is None
+  assert capsys.readouterr().out == ''
+  _Parse('--run_locally=cpu', '--num_devices=9', '--nodeterministic')
+  with pytest.raises(app.UsageError, match=r'^9 CPU devices are needed but '
+                     r'TensorFlow has already started with 8'):
+    trainer.ConfigureDevices(trainer.BuildParams())

@@ -2,23 +2,37 @@
 
 Data flows one way through the modules:
   partition (balance)  ->  microbatch (split/merge)  ->  schedule (actions per
-  device, as data)  ->  executor (one tf.function: placement, remat, order,
-  gradient accumulation) or threaded_executor (one thread per device calling
-  per-cell traced functions, so stages overlap)  ->  pipelining_layer (the
-  Keras layer users build).
+  device, as data)  ->  stage (what one cell does for one micro-batch:
+  forward, loss, backward, gradient accumulation)  ->  runtime (one
+  interpreter of the schedule for every entry point)  ->  dispatch (issue the
+  actions inline in one graph, or from one thread per device)  ->
+  pipelining_layer (the Keras layer users build).
 """
 
-from tfpipe.gpipe.cell import FeatureExtractionLayer
-from tfpipe.gpipe.executor import LossAndGradients
-from tfpipe.gpipe.executor import REMAT_POLICIES
-from tfpipe.gpipe.partition import BlockPartition
-from tfpipe.gpipe.partition import FlattenSequentialLayers
-from tfpipe.gpipe.partition import PartitionSequentialLayers
-from tfpipe.gpipe.pipelining_layer import DefaultDevices
-from tfpipe.gpipe.pipelining_layer import PipeliningLayer
-from tfpipe.gpipe.pipelining_layer import ResolveDevices
-from tfpipe.gpipe.schedule import GPipeSchedule
-from tfpipe.gpipe.schedule import MakeSchedule
-from tfpipe.gpipe.schedule import OneFOneBSchedule
-from tfpipe.gpipe.schedule import Simulate
-from tfpipe.gpipe.schedule import TextTimeline
+from tfpipe import lazy_exports
+
+# Submodules are imported on first use: see tfpipe/lazy_exports.py.
+__getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
+    'cell': ['FeatureExtractionLayer'],
+    'dispatch': [],
+    'microbatch': [],
+    'partition': [
+        'BlockPartition',
+        'FlattenSequentialLayers',
+        'PartitionSequentialLayers',
+    ],
+    'pipelining_layer': [
+        'DefaultDevices',
+        'PipeliningLayer',
+        'ResolveDevices',
+    ],
+    'runtime': ['REMAT_POLICIES'],
+    'schedule': [
+        'GPipeSchedule',
+        'MakeSchedule',
+        'OneFOneBSchedule',
+        'Simulate',
+        'TextTimeline',
+    ],
+    'stage': ['LossAndGradients'],
+})

@@ -127,13 +127,21 @@ def Split(structure, num_micro_batches, batch_dim=0, micro_batch_size=None):
   for leaf in leaves:
     if leaf is None:
       pieces.append([None] * m)
-    elif m == 1:
-      pieces.append([leaf])
     else:
-      pieces.append(tf.split(leaf, sizes, axis=batch_dim, num=m))
+      pieces.append(SplitBySizes(leaf, size_list, batch_dim))
   micro_batches = [tf.nest.pack_sequence_as(structure, [p[i] for p in pieces])
                    for i in range(m)]
   return micro_batches, size_list, batch_size
+
+
+def SplitBySizes(tensor, sizes, batch_dim=0):
+  """Splits `tensor` along `batch_dim` into parts of `sizes` (ints or tensors)."""
+  if len(sizes) == 1:
+    return [tensor]
+  if all(isinstance(n, int) for n in sizes):
+    return tf.split(tensor, sizes, axis=batch_dim, num=len(sizes))
+  return tf.split(tensor, tf.stack([tf.cast(n, tf.int32) for n in sizes]),
+                  axis=batch_dim, num=len(sizes))
 
 
 def Merge(micro_outputs, batch_dim=0):

@@ -7,53 +7,99 @@
     y = pipe(x)                                     # forward, any mode
     out = pipe.ComputeLossAndGradients(x, labels, loss_fn)   # training step
 
-`pipe(x)` is an ordinary Keras call: under a `tf.GradientTape` the gradient
-flows through TensorFlow's autodiff (re-materialized per cell), which is what
-Keras' `fit` needs. `ComputeLossAndGradients` drives both passes itself along
-the schedule, applies the loss on the last cell per micro-batch (the full
-output is never gathered), and so lets 1F1B bound the activations in flight.
+Every entry point runs on one runtime (runtime.py), which interprets the
+schedule for both passes:
+
+* `ComputeLossAndGradients` runs every action, with the loss applied on the
+  last cell per micro-batch (the full output is never gathered), so 1F1B
+  bounds the activations in flight.
+* `pipe(x)` under a `tf.GradientTape` (Lingvo's and Keras' `fit` idiom) runs
+  the forward actions and registers the pipeline's backward with the tape:
+  when the tape asks for the gradient, the backward actions run, recompute
+  per the remat policy and accumulate the weight gradients into per-variable
+  buffers, so memory does not grow with M.
+* `pipe(x)` without a tape (inference) runs only the forward actions.
 
 Placement is decided at construction: cell k and all of its variables are
 created (and, for lazily-built Keras layers, built) under
-`tf.device(devices[k])`, and run there. Only cell outputs cross devices.
+`tf.device(devices[k])`, and everything the runtime emits for cell k (the
+forward, the backward, the gradient accumulators) runs there. Only cell
+outputs and their gradients cross devices.
 
-Two executors run ComputeLossAndGradients. 'graph' (the default) traces the
-whole step, every action unrolled, as one graph: it works inside any
-tf.function, and Keras' fit, but TensorFlow 2.21 runs one graph's stages one
-after another on CPU devices and gRPC workers. 'threads' calls one traced
-function per action from one Python thread per device, so stages overlap,
-and traces each cell once instead of once per action (inside a tf.function
-it emits those same functions into the one graph). Both give the same
-losses, gradients and statistics.
+`executor` picks how actions are issued (dispatch.py): 'graph' issues them
+inline, so a traced step is one graph that an accelerator's runtime
+overlaps; 'threads' issues each device's actions from its own thread, which
+is what overlaps stages on CPU devices and gRPC workers, where TensorFlow
+runs one graph's stages one after another. Inside a tf.function both are
+inline. Both give the same losses, gradients and statistics.
 """
 
+import math
+
 import tensorflow as tf
+from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from tfpipe import base_layer
-from tfpipe.gpipe import cell as cell_lib
-from tfpipe.gpipe import executor as executor_lib
+from tfpipe import device_names
+from tfpipe import devices as devices_lib
+from tfpipe import placement
+from tfpipe.gpipe import dispatch as dispatch_lib
 from tfpipe.gpipe import microbatch
 from tfpipe.gpipe import partition
+from tfpipe.gpipe import runtime as runtime_lib
 from tfpipe.gpipe import schedule as schedule_lib
-from tfpipe.gpipe import threaded_executor
+from tfpipe.gpipe import stage as stage_lib
 
-EXECUTORS = ('graph', 'threads')
+EXECUTORS = ('auto', 'graph', 'threads')
+
+# executor='auto' picks 'threads' on CPU devices and gRPC workers only when
+# one forward action (a cell on a micro-batch) costs at least this many
+# flops: a thread hand-off and function call cost a few hundred
+# microseconds, which cancels the overlap for smaller actions (see
+# benchmarks/RESULTS.md, "Choosing the executor").
+THREADS_MIN_FORWARD_FLOPS = 1e9
 
 
-def DefaultDevices():
-  """All GPUs, else all TPU cores, else all (logical) CPU devices."""
+def ChooseExecutor(devices, forward_flops_per_action):
+  """'graph' or 'threads' for executor='auto' (see the executor param).
+
+  Args:
+    devices: the pipeline's device names.
+    forward_flops_per_action: the mean forward flops of one cell on one
+      micro-batch, from the cells' cost model; None if unknown.
+  """
+  kinds = {tf.DeviceSpec.from_string(d).device_type or 'CPU' for d in devices}
+  if kinds & {'GPU', 'TPU'}:
+    return 'graph'  # Their runtimes overlap the stages of one graph.
+  if len(set(devices)) < 2:
+    return 'graph'  # One device: nothing to overlap.
+  if forward_flops_per_action is None or (
+      forward_flops_per_action < THREADS_MIN_FORWARD_FLOPS):
+    return 'graph'
+  return 'threads'
+
+
+def DefaultDevices(num_needed=None):
+  """Where a pipeline goes when `devices` is None.
+
+  Args:
+    num_needed: how many devices (cells x replicas). With fewer GPUs than
+      that, the GPUs are split into logical GPUs, as the trainer does, if
+      TensorFlow has not started yet (tfpipe.devices.EnsureLogicalDevices);
+      otherwise a ValueError says how to get them. None: every device of
+      the first kind there is.
+
+  Returns:
+    Device names: GPUs, else TPU cores, else (logical) CPU devices.
+  """
+  if num_needed is not None and not tf.config.list_logical_devices('TPU'):
+    return devices_lib.EnsureLogicalDevices(num_needed)
   for kind in ('GPU', 'TPU', 'CPU'):
     devices = tf.config.list_logical_devices(kind)
     if devices:
       return [d.name for d in devices]
   return ['/CPU:0']
-
-
-def _CanonicalDevice(name):
-  spec = tf.DeviceSpec.from_string(name)
-  if spec.job is None:
-    spec = spec.replace(job='localhost', replica=0, task=0)
-  return spec.to_string()
 
 
 def ResolveDevices(devices, num_cells, round_robin_placement=False):
@@ -63,14 +109,15 @@ def ResolveDevices(devices, num_cells, round_robin_placement=False):
     ValueError: naming an unknown device, or saying how to place more cells
       than there are devices.
   """
-  devices = list(devices) if devices is not None else DefaultDevices()
+  if devices is None:
+    devices = DefaultDevices(None if round_robin_placement else num_cells)
   if not devices:
     raise ValueError('devices is empty; list one device per cell or pass None.')
-  known = {_CanonicalDevice(d.name): d.name
+  known = {device_names.CanonicalDevice(d.name): d.name
            for d in tf.config.list_logical_devices()}
   for d in devices:
     try:
-      canonical = _CanonicalDevice(d)
+      canonical = device_names.CanonicalDevice(d)
     except ValueError as e:
       raise ValueError(f'devices: cannot parse device name {d!r}: {e}') from e
     if canonical not in known:
@@ -89,6 +136,29 @@ def ResolveDevices(devices, num_cells, round_robin_placement=False):
   return [devices[k % len(devices)] for k in range(num_cells)]
 
 
+def CellError(pipeline_name, cells, k, x, error):
+  """A ValueError naming cell k, its input's shapes and the likely fix."""
+  source = (f'the output of cell {k - 1} ({cells[k - 1].name})'
+            if k else 'the pipeline input')
+  shapes = tf.nest.map_structure(
+      lambda t: None if t is None else tuple(t.shape), x)
+  text = str(error).lower()
+  hint = (' Check that the cells\' layers fit each other (e.g. input_dims).'
+          if 'shape' in text or 'dimension' in text else '')
+  return ValueError(
+      f'{pipeline_name}: cell {k} ({cells[k].name}) failed on {source} with '
+      f'shapes {shapes}.{hint} Cause: {type(error).__name__}: {error}')
+
+
+def _Offsets(sizes):
+  """Index of each part's first example, from the parts' sizes."""
+  offsets, total = [], 0
+  for size in sizes:
+    offsets.append(tf.cast(total, tf.int64))
+    total = total + size
+  return offsets
+
+
 class PipeliningLayer(base_layer.BaseLayer):
   """Pipelines a list of cells over devices with micro-batching (GPipe)."""
 
@@ -97,35 +167,96 @@ class PipeliningLayer(base_layer.BaseLayer):
     p = super().Params()
     p.Define('cell_tpl', [], 'Params of the cells in order, e.g. from '
              'PartitionSequentialLayers; cell k runs on devices[k].')
+    p.Define('num_partitions', None, 'K, for builders that cut a layer list '
+             'into cell_tpl (the trainer\'s task, PartitionSequentialLayers); '
+             'None: cell_tpl already holds the cells.')
+    p.Define('balance', 'flops', 'How such a builder balances the cut: '
+             "'params', 'flops', 'memory', 'time', or a list of layer counts "
+             'per cell.')
     p.Define('num_micro_batches', 1, 'M: micro-batches each batch is split '
              'into; ignored when micro_batch_size is set.')
     p.Define('micro_batch_size', None, 'Examples per micro-batch; the '
              'alternative to num_micro_batches (needs a static batch size).')
     p.Define('batch_dim', 0, 'Axis of every input leaf that holds the batch.')
-    p.Define('devices', None, 'One device name per cell; None uses all GPUs, '
-             'else TPU cores, else CPU devices.')
+    p.Define('devices', None, 'One device name per cell (R*K with replicas); '
+             'None uses all GPUs, else TPU cores, else CPU devices.')
     p.Define('round_robin_placement', False, 'Allow fewer devices than cells '
-             'by placing cell k on devices[k % len(devices)].')
+             'by placing cell k on devices[k % len(devices)] (implied by '
+             "schedule='interleaved_1f1b').")
     p.Define('remat_policy', 'always', "Re-materialization: 'always', "
              "'except_last' (last micro-batch keeps activations) or 'never'.")
     p.Define('schedule', 'gpipe', "Order of actions per device: 'gpipe' "
-             "(fill-drain) or '1f1b' (bounds activations in flight).")
+             "(fill-drain), '1f1b' (bounds activations in flight), "
+             "'interleaved_1f1b' (K/D cells per device, placed round-robin: "
+             "about 1/v of 1F1B's bubble) or 'zb_h1' (zero bubble: weight "
+             "gradients fill the bubbles; about 1/3 of 1F1B's, same memory).")
     p.Define('num_replicas', 1, 'R: data-parallel copies of the pipeline; '
              'devices then lists R*K devices, replica by replica, and the '
              'batch is split R ways before micro-batching.')
     p.Define('compile_step', True, 'Run ComputeLossAndGradients inside a '
-             'tf.function when it is called eagerly (graph executor only).')
-    p.Define('executor', 'graph', "How ComputeLossAndGradients runs: 'graph' "
-             "traces the whole step as one graph; 'threads' calls one traced "
-             'function per action from one thread per device when called '
-             'eagerly, so stages overlap on runtimes that run one graph '
-             'serially (CPU, gRPC), and traces each cell once; it needs '
-             "remat_policy='always'.")
-    p.Define('serialize_device_ops', False, "With executor='threads': each "
-             "device's thread runs its ops one at a time (TensorFlow's "
-             'single-threaded executor), as an accelerator does, instead of '
-             'sharing the inter-op thread pool.')
+             'tf.function when it is called eagerly with executor=\'graph\'.')
+    p.Define('executor', 'auto', "How actions are issued: 'graph' inline, "
+             'so a traced step is one graph (GPU and TPU runtimes overlap its '
+             "stages); 'threads' from one thread per device when called "
+             'eagerly, which overlaps stages on CPU devices and gRPC workers, '
+             "where one graph's stages run one after another; 'auto' picks "
+             "'graph' on GPUs and TPUs and for small actions, else 'threads' "
+             '(see ChooseExecutor).')
     return p
+
+  @classmethod
+  def CheckParams(cls, p, prefix=None):
+    """Raises ValueError naming the bad setting; needs no device or tensor.
+
+    The one check of a pipeline's settings: the layer runs it when built,
+    and the trainer runs it on `task.pipeline` before TensorFlow starts.
+
+    Args:
+      p: PipeliningLayer params (cell_tpl may still be empty in a template).
+      prefix: how the params are named in messages (default: p.name).
+    """
+    where = prefix or p.name
+
+    def Bad(name, requirement, flag=None):
+      hint = f' (the trainer\'s --{flag})' if flag else ''
+      return ValueError(f'{where}.{name} {requirement}{hint}. Received: '
+                        f'{name}={p.Get(name)!r}')
+
+    def IsCount(value):
+      return isinstance(value, int) and not isinstance(value, bool) and (
+          value >= 1)
+    if p.micro_batch_size is None and not IsCount(p.num_micro_batches):
+      raise Bad('num_micro_batches', 'must be an int >= 1',
+                'num_micro_batches')
+    if p.micro_batch_size is not None and not IsCount(p.micro_batch_size):
+      raise Bad('micro_batch_size', 'must be an int >= 1, or None to use '
+                'num_micro_batches')
+    if p.num_partitions is not None and not IsCount(p.num_partitions):
+      raise Bad('num_partitions', 'must be an int >= 1', 'num_partitions')
+    if not IsCount(p.num_replicas):
+      raise Bad('num_replicas', 'must be an int >= 1', 'num_replicas')
+    if p.remat_policy not in runtime_lib.REMAT_POLICIES:
+      raise Bad('remat_policy', 'must be one of '
+                f'{list(runtime_lib.REMAT_POLICIES)}', 'remat_policy')
+    if p.schedule not in schedule_lib.SCHEDULES:
+      raise Bad('schedule', f'must be one of {sorted(schedule_lib.SCHEDULES)}',
+                'schedule')
+    if p.executor not in EXECUTORS:
+      raise Bad('executor', f'must be one of {list(EXECUTORS)}', 'executor')
+    if isinstance(p.balance, (list, tuple)):
+      if not all(IsCount(c) for c in p.balance) or (
+          p.num_partitions is not None and len(p.balance) != p.num_partitions):
+        raise Bad('balance', 'as a list must give one layer count >= 1 per '
+                  f'cell (num_partitions={p.num_partitions})', 'balance')
+    elif p.balance not in partition.BALANCE_METHODS:
+      raise Bad('balance', f'must be one of {list(partition.BALANCE_METHODS)}'
+                ' or a list of layer counts per cell', 'balance')
+    if p.cell_tpl and p.num_partitions is not None and (
+        len(p.cell_tpl) != p.num_partitions):
+      raise ValueError(
+          f'{where}: cell_tpl holds {len(p.cell_tpl)} cells but '
+          f'num_partitions={p.num_partitions}; leave num_partitions None when '
+          'you give the cells.')
 
   def __init__(self, params):
     super().__init__(params)
@@ -133,41 +264,25 @@ class PipeliningLayer(base_layer.BaseLayer):
     if not p.cell_tpl:
       raise ValueError(f'{p.name}: cell_tpl is empty; give the params of at '
                        'least one cell (see gpipe.PartitionSequentialLayers).')
-    if p.micro_batch_size is None and (
-        not isinstance(p.num_micro_batches, int) or p.num_micro_batches < 1):
-      raise ValueError(f'{p.name}: num_micro_batches must be >= 1. Received: '
-                       f'num_micro_batches={p.num_micro_batches}')
-    if p.micro_batch_size is not None and p.micro_batch_size < 1:
-      raise ValueError(f'{p.name}: micro_batch_size must be >= 1. Received: '
-                       f'micro_batch_size={p.micro_batch_size}')
-    if p.remat_policy not in executor_lib.REMAT_POLICIES:
-      raise ValueError(
-          f'{p.name}: unknown remat_policy {p.remat_policy!r}; expected one '
-          f'of {list(executor_lib.REMAT_POLICIES)}.')
-    if p.schedule not in schedule_lib.SCHEDULES:
-      raise ValueError(f'{p.name}: unknown schedule {p.schedule!r}; expected '
-                       f'one of {sorted(schedule_lib.SCHEDULES)}.')
-    if p.executor not in EXECUTORS:
-      raise ValueError(f'{p.name}: unknown executor {p.executor!r}; expected '
-                       f'one of {list(EXECUTORS)}.')
-    if p.executor == 'threads' and p.remat_policy != 'always':
-      raise ValueError(
-          f"{p.name}: executor='threads' recomputes every cell in its "
-          "backward pass, so it needs remat_policy='always'; received "
-          f"remat_policy={p.remat_policy!r}. Set remat_policy='always' or "
-          "use executor='graph'.")
-    if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
-      raise ValueError(f'{p.name}: num_replicas must be >= 1. Received: '
-                       f'num_replicas={p.num_replicas}')
+    self.CheckParams(p)
     num_cells = len(p.cell_tpl)
+    interleaved = p.schedule == 'interleaved_1f1b'
     all_devices = ResolveDevices(p.devices, num_cells * p.num_replicas,
-                                 p.round_robin_placement)
+                                 p.round_robin_placement or interleaved)
     # Replica r runs cell k on replica_devices[r][k]. Variables live with
     # replica 0; other replicas read them there and their gradients are
     # summed into one update, so the replicas can never drift apart.
     self._replica_devices = [
         all_devices[r * num_cells:(r + 1) * num_cells]
         for r in range(p.num_replicas)]
+    if interleaved:
+      for devices in self._replica_devices:
+        unique = list(dict.fromkeys(devices))
+        try:
+          schedule_lib.VirtualStages(num_cells,
+                                     [unique.index(d) for d in devices])
+        except ValueError as e:
+          raise ValueError(f'{p.name}: {e}') from e
     self._cell_devices = self._replica_devices[0]
     self.cells = []
     for k, cell_p in enumerate(p.cell_tpl):
@@ -180,8 +295,10 @@ class PipeliningLayer(base_layer.BaseLayer):
       self._step_counter = self.add_weight(
           name='step_counter', shape=(), dtype='int64', initializer='zeros',
           trainable=False)
+    self._runtime = None
     self._executors = {}
-    self._threaded_executors = {}
+    self._threads = dispatch_lib.Threads(name=p.name)
+    self._isolated = {}
     self._compiled_step = None
 
   @property
@@ -204,12 +321,9 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def DeviceMeshText(self):
     """The (replicas, stages) device mesh as a printable table."""
-    rows = [f'device mesh: {self.num_replicas} replica(s) x {self.num_cells} '
-            'stage(s)']
-    for r, devices in enumerate(self._replica_devices):
-      rows.append(f'  replica {r}: ' + '  '.join(
-          f'[{k}] {d}' for k, d in enumerate(devices)))
-    return '\n'.join(rows)
+    return device_names.DeviceMeshText(
+        [d for devices in self._replica_devices for d in devices],
+        self.num_replicas)
 
   def build(self, input_shape):
     shape = input_shape
@@ -226,66 +340,115 @@ class PipeliningLayer(base_layer.BaseLayer):
               f'{self.p.name}: cell {k} ({cell.name}) cannot be built on '
               f'{source} with shape {shape}: {e}') from e
 
-  def Executor(self, num_micro_batches, replica=0):
-    """The graph executor (and validated schedule) for M micro-batches, cached.
+  # ---- the runtime and how its actions are issued -------------------------
 
-    FProp always uses it; ComputeLossAndGradients uses it unless
-    executor='threads'. Both kinds run the same schedule.
+  @property
+  def runtime(self):
+    """The PipelineRuntime that runs every entry point (created on first use)."""
+    if self._runtime is None:
+      self._runtime = runtime_lib.PipelineRuntime(
+          self.cells, self._replica_devices, self.p.schedule,
+          self.p.remat_policy, self.p.name,
+          lambda k, x, e: CellError(self.p.name, self.cells, k, x, e))
+    return self._runtime
+
+  def Schedule(self, num_micro_batches, replica=0):
+    """The validated schedule that a step with M micro-batches runs."""
+    return self.runtime.Schedule(num_micro_batches, replica)
+
+  def SetThreadsDispatcher(self, dispatcher):
+    """Replaces the dispatcher used by executor='threads' (e.g. one whose
+    device threads run their ops one at a time; see benchmarks/bench_lib)."""
+    self._threads = dispatcher
+
+  def ResolvedExecutor(self, inputs):
+    """The executor a step on `inputs` uses: p.executor, 'auto' resolved.
+
+    'auto' is decided once per batch shape from the devices and the cells'
+    cost model (ChooseExecutor); the cost model is the params' FPropMeta, so
+    nothing runs to decide it.
     """
-    key = (replica, num_micro_batches)
+    if self.p.executor != 'auto':
+      return self.p.executor
+    shape = tf.nest.map_structure(lambda t: tuple(t.shape), inputs)
+    key = repr(shape)
     if key not in self._executors:
-      self._executors[key] = executor_lib.PipelineExecutor(
-          self.cells, self._replica_devices[replica],
-          self._Schedule(num_micro_batches, replica), self.p.remat_policy,
-          name=self.p.name)
+      self._executors[key] = ChooseExecutor(
+          [d for devices in self._replica_devices for d in devices],
+          self._ForwardFlopsPerAction(shape))
     return self._executors[key]
 
-  def ThreadedExecutor(self, num_micro_batches, replica=0):
-    """The thread-per-device executor for M micro-batches, cached."""
-    key = (replica, num_micro_batches)
-    if key not in self._threaded_executors:
-      self._threaded_executors[key] = threaded_executor.ThreadedPipelineExecutor(
-          self.cells, self._replica_devices[replica],
-          self._Schedule(num_micro_batches, replica), name=self.p.name,
-          serialize_device_ops=self.p.serialize_device_ops,
-          concurrent_devices=len(set(d for devices in self._replica_devices
-                                     for d in devices)))
-    return self._threaded_executors[key]
+  def _ForwardFlopsPerAction(self, input_shape):
+    batch = base_layer.BatchDim(input_shape)
+    if batch is None:
+      return None
+    try:
+      costs = self.CellCosts(input_shape)
+    except ValueError:
+      return None
+    if not costs or any(c.flops <= 0 for c in costs):
+      return None  # Cells without a cost model (e.g. Keras stages).
+    num_micro = (math.ceil(batch / self.p.micro_batch_size)
+                 if self.p.micro_batch_size else self.p.num_micro_batches)
+    return sum(c.flops for c in costs) / len(costs) / max(num_micro, 1)
 
-  def _Schedule(self, num_micro_batches, replica):
-    devices = self._replica_devices[replica]
-    unique = list(dict.fromkeys(devices))
-    return schedule_lib.MakeSchedule(self.p.schedule, self.num_cells,
-                                     num_micro_batches,
-                                     [unique.index(d) for d in devices])
+  def _Dispatcher(self, inputs, isolate=False):
+    """Threads when chosen and eager; inline otherwise (always in a graph).
 
-  def _Split(self, inputs, targets=None):
+    With `isolate`, an eager inline forward runs from a helper thread so the
+    caller's tape does not record it (dispatch.Isolated).
+    """
+    if tf.executing_eagerly() and self.ResolvedExecutor(inputs) == 'threads':
+      return self._threads
+    if isolate and tf.executing_eagerly():
+      if 'inline' not in self._isolated:
+        self._isolated['inline'] = dispatch_lib.Isolated(
+            dispatch_lib.Inline(), name=self.p.name)
+      return self._isolated['inline']
+    return dispatch_lib.Inline()
+
+  # ---- splitting the batch -------------------------------------------------
+
+  def _Shards(self, inputs, targets, step):
     """Splits the batch R ways, then each shard into micro-batches.
 
-    Returns a list over replicas of (micro_inputs, micro_targets, weights),
-    with weights n_m / N relative to the WHOLE batch, so summing every
-    replica's weighted losses and gradients gives the full-batch mean.
+    Returns ([runtime.MicroBatches per replica], N). The scales n_m / N are
+    relative to the WHOLE batch, so summing every replica's weighted losses
+    and gradients gives the full-batch mean; the offsets too, so randomness
+    drawn per example does not depend on R or M. Inputs are split on their
+    first cell's device, targets on their last cell's.
     """
     p = self.p
-    if p.num_replicas > 1:
-      shards, _, batch_size = microbatch.Split(
-          (inputs, targets), p.num_replicas, p.batch_dim)
-    else:
-      shards = [(inputs, targets)]
-      batch_size = None
+    num_replicas = p.num_replicas
+    with tf.device(self._cell_devices[0]):
+      if num_replicas > 1:
+        shards, shard_sizes, batch_size = microbatch.Split(
+            (inputs, targets), num_replicas, p.batch_dim)
+        shard_offsets = _Offsets(shard_sizes)
+      else:
+        shards, batch_size, shard_offsets = [(inputs, targets)], None, [0]
     result = []
-    for shard_inputs, shard_targets in shards:
-      micro, sizes, shard_size = microbatch.Split(
-          shard_inputs, p.num_micro_batches, p.batch_dim, p.micro_batch_size)
+    for r, (shard_inputs, shard_targets) in enumerate(shards):
+      devices = self._replica_devices[r]
+      with tf.device(devices[0]):
+        micro, sizes, shard_size = microbatch.Split(
+            shard_inputs, p.num_micro_batches, p.batch_dim,
+            p.micro_batch_size)
       micro_targets = None
       if shard_targets is not None:
-        micro_targets, _, _ = microbatch.Split(
-            shard_targets, p.num_micro_batches, p.batch_dim,
-            p.micro_batch_size)
+        with tf.device(devices[-1]):
+          micro_targets, _, _ = microbatch.Split(
+              shard_targets, p.num_micro_batches, p.batch_dim,
+              p.micro_batch_size)
       if batch_size is None:
         batch_size = shard_size
-      result.append((micro, micro_targets, microbatch.Weights(sizes,
-                                                              batch_size)))
+      with tf.device(devices[0]):
+        offsets = [shard_offsets[r] + o for o in _Offsets(sizes)]
+        seeds = self._Seeds(step, len(micro), r)
+      with tf.device(devices[-1]):
+        scales = microbatch.Weights(sizes, batch_size)
+      result.append(runtime_lib.MicroBatches(micro, micro_targets, scales,
+                                             seeds, offsets, sizes))
     return result, batch_size
 
   def _Seeds(self, step, num_micro_batches, replica=0):
@@ -294,26 +457,91 @@ class PipeliningLayer(base_layer.BaseLayer):
             for m in range(num_micro_batches)]
 
   def _NextStep(self, training):
-    step = tf.identity(self._step_counter)
-    if training:
-      self._step_counter.assign_add(1)
+    with tf.device(self._cell_devices[0]):
+      step = tf.identity(self._step_counter)
+      if training:
+        self._step_counter.assign_add(1)
     return step
+
+  def _MergeOutputs(self, outputs):
+    with tf.device(self._cell_devices[-1]):
+      return microbatch.Merge([y for per_replica in outputs
+                               for y in per_replica], self.p.batch_dim)
+
+  # ---- entry points ------------------------------------------------------
 
   @tf.autograph.experimental.do_not_convert
   def FProp(self, inputs, training=None):
     training = bool(training)
-    shards, _ = self._Split(inputs)
+    self._CheckNoSharedVariables()
     step = self._NextStep(training)
+    shards, _ = self._Shards(inputs, None, step)
     collector = base_layer.DeferredStatsCollector() if training else None
-    outputs = []
-    for r, (micro, _, _) in enumerate(shards):
-      seeds = self._Seeds(step, len(micro), r)
-      outputs.extend(self.Executor(len(micro), r).Forward(
-          micro, training, seeds, collector))
+    if record.could_possibly_record() and self._CellVariables():
+      outputs = self._ForwardUnderTape(inputs, shards, training, collector)
+    else:
+      outputs = self._MergeOutputs(self.runtime.Forward(
+          shards, training, collector, self._Dispatcher(inputs)))
     if collector is not None:
       collector.Apply()
+    return outputs
+
+  def _ForwardUnderTape(self, inputs, shards, training, collector):
+    """The forward actions now; the backward actions when a tape asks.
+
+    The pipeline's output is recorded on the caller's tapes as one
+    operation whose gradient function runs the schedule's backward actions
+    (runtime.TapeBackward): the weight gradients go through the same
+    per-variable accumulators as a training step, on each cell's device,
+    instead of one gradient per micro-batch kept alive until TensorFlow adds
+    them up at the end.
+    """
+    float_inputs = stage_lib.SplitFloat(inputs)[0]
+    need_input_gradient = bool(float_inputs) and record.should_record_backprop(
+        float_inputs)
+    micro_outputs, step = self.runtime.TapeForward(
+        shards, training, collector, self._Dispatcher(inputs, isolate=True),
+        need_input_gradient)
+    merged = self._MergeOutputs(micro_outputs)
+    float_outputs, rebuild = stage_lib.SplitFloat(merged)
     with tf.device(self._cell_devices[-1]):
-      return microbatch.Merge(outputs, self.p.batch_dim)
+      float_outputs = [tf.identity(t) for t in float_outputs]
+    variables = [stage_lib.TfVariable(v) for v in self._CellVariables()]
+    for v in variables:
+      resource_variable_ops.variable_accessed(v)
+    sizes = [list(shard.sizes) for shard in shards]
+    first_device, last_device = self._cell_devices[0], self._cell_devices[-1]
+    batch_dim = self.p.batch_dim
+
+    def Backward(*output_gradients):
+      flat_sizes = [n for per_replica in sizes for n in per_replica]
+      with tf.device(last_device):
+        output_gradients = [
+            tf.zeros_like(y) if g is None else g
+            for g, y in zip(output_gradients, float_outputs)]
+        pieces = [microbatch.SplitBySizes(g, flat_sizes, batch_dim)
+                  for g in output_gradients]
+      per_micro, i = [], 0
+      for per_replica in sizes:
+        per_micro.append([[p[i + m] for p in pieces]
+                          for m in range(len(per_replica))])
+        i += len(per_replica)
+      input_gradients, gradients = self.runtime.TapeBackward(
+          step, per_micro, self._Dispatcher(inputs))
+      if input_gradients is None:
+        dx = [None] * len(float_inputs)
+      else:
+        with tf.device(first_device):
+          flat = [g for per_replica in input_gradients for g in per_replica]
+          dx = [tf.concat([g[j] for g in flat], axis=batch_dim)
+                if len(flat) > 1 else flat[0][j]
+                for j in range(len(float_inputs))]
+      return dx + list(gradients)
+
+    record.record_operation(
+        'PipelinedForward', float_outputs,
+        list(float_inputs) + [v.handle for v in variables], Backward)
+    return rebuild(float_outputs)
 
   def ComputeLossAndGradients(self, inputs, targets, loss_fn, training=True,
                               step=None, record_times=False):
@@ -325,7 +553,9 @@ class PipeliningLayer(base_layer.BaseLayer):
         the inputs and handed to loss_fn with each micro-batch.
       loss_fn: `loss_fn(outputs, targets)` for one micro-batch on the last
         cell's device; returns the micro-batch's mean loss (or per-example
-        losses), optionally as `(loss, {'metric': value})`.
+        losses), optionally as `(loss, {'metric': value})`; or a sum and
+        the weight it sums over, `(loss_sum, weight)` or `(loss_sum, weight,
+        {'metric': sum})`, e.g. for padded tokens (see stage.ParseLoss).
       training: run layers in training mode (dropout, batch-norm stats).
       step: int seeding this step's random ops; default: an internal counter
         (saved with the layer's variables) that advances each call.
@@ -334,18 +564,17 @@ class PipeliningLayer(base_layer.BaseLayer):
         pairs when num_replicas > 1).
 
     Returns:
-      LossAndGradients(loss, gradients, metrics): the exact mean loss over the
+      LossAndGradients(loss, gradients, metrics): the exact loss over the
       batch, gradients aligned with `self.trainable_variables`, and the
-      example-weighted metrics. Deferred batch-norm statistics are applied.
+      metrics, weighted like the loss. Deferred batch-norm statistics are
+      applied.
     """
     if not self.built:
       self.build(tf.nest.map_structure(lambda t: tuple(t.shape), inputs))
-    if self.p.executor == 'threads':
-      return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
-                                           step, record_times)
-    if (self.p.compile_step and tf.executing_eagerly()):
+    if (self.p.compile_step and tf.executing_eagerly() and
+        self.ResolvedExecutor(inputs) == 'graph'):
       if self._compiled_step is None:
-        self._compiled_step = tf.function(self._ComputeLossAndGradients,
+        self._compiled_step = tf.function(self._CompiledStep,
                                           reduce_retracing=True,
                                           autograph=False)
       return self._compiled_step(inputs, targets, loss_fn, training, step,
@@ -353,44 +582,48 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
                                          step, record_times)
 
+  def _CompiledStep(self, *args):
+    # The returned gradients stay on their cells' devices (not copied to the
+    # default device by tf.function's output identities).
+    placement.FollowInputDevicesToTheEnd()
+    return self._ComputeLossAndGradients(*args)
+
   @tf.autograph.experimental.do_not_convert
   def _ComputeLossAndGradients(self, inputs, targets, loss_fn, training, step,
                                record_times):
     self._CheckNoSharedVariables()
-    shards, batch_size = self._Split(inputs, targets)
     if step is None:
       step = self._NextStep(training)
+    shards, batch_size = self._Shards(inputs, targets, step)
     collector = base_layer.DeferredStatsCollector() if training else None
-    results = []
-    if self.p.executor == 'threads':
-      # Every replica's threads start before any is waited for.
-      waits = [self.ThreadedExecutor(len(micro), r).Start(
-          micro, micro_targets, weights, batch_size, loss_fn, training,
-          self._Seeds(step, len(micro), r), collector, record_times)
-               for r, (micro, micro_targets, weights) in enumerate(shards)]
-      results = [wait() for wait in waits]
-    else:
-      for r, (micro, micro_targets, weights) in enumerate(shards):
-        results.append(self.Executor(len(micro), r).ForwardBackward(
-            micro, micro_targets, weights, batch_size, loss_fn, training,
-            self._Seeds(step, len(micro), r), collector, record_times))
+    with tf.device(self._cell_devices[-1]):
+      batch_size = tf.cast(batch_size, tf.float32)
+    result = self.runtime.ForwardBackward(
+        shards, batch_size, loss_fn, training, collector,
+        self._Dispatcher(inputs), record_times)
     if collector is not None:
       collector.Apply()
-    if len(results) == 1:
-      return results[0]
-    with tf.device(self._cell_devices[-1]):
-      loss = tf.add_n([res.loss for res in results])
-      metrics = {name: tf.add_n([res.metrics[name] for res in results])
-                 for name in results[0].metrics}
-    gradients = []
-    for i, v in enumerate(self._CellVariables()):
-      with tf.device(v.value.device):
-        gradients.append(tf.add_n([res.gradients[i] for res in results]))
-    times = None
-    if record_times:
-      times = {(r, a): t for r, res in enumerate(results)
-               for a, t in res.action_times.items()}
-    return executor_lib.LossAndGradients(loss, gradients, metrics, times)
+    return result
+
+  def _trackable_children(self, save_type='checkpoint', **kwargs):
+    """Checkpoints name each layer by its own name, not by its cell.
+
+    So a checkpoint restores under any K (a different cut moves a layer to
+    another cell, not to another name). Cells that are not sequential
+    containers of uniquely named layers keep their `cells/<k>` names.
+    """
+    children = super()._trackable_children(save_type, **kwargs)
+    layers = {}
+    for cell in self.cells:
+      for layer in getattr(cell, 'sub', None) or [None]:
+        if layer is None or layer.name in layers:
+          return children
+        layers[layer.name] = layer
+    children = {key: value for key, value in children.items()
+                if not key.startswith('cells')}
+    children.update({f'layers/{name}': layer
+                     for name, layer in layers.items()})
+    return children
 
   def _CellVariables(self):
     return [v for cell in self.cells for v in cell.trainable_variables]

@@ -5,8 +5,12 @@ runs them on tfpipe's GPipe engine, returning a keras.Model that shares the
 original model's layers and variables. See model.py for the design.
 """
 
-from tfpipe.keras.graph import ModelGraph
-from tfpipe.keras.model import describe
-from tfpipe.keras.model import pipeline
-from tfpipe.keras.model import PipelinedModel
-from tfpipe.keras.stage import KerasStageLayer
+from tfpipe import lazy_exports
+
+# Submodules are imported on first use: see tfpipe/lazy_exports.py.
+__getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
+    'costs': [],
+    'graph': ['ModelGraph'],
+    'model': ['describe', 'pipeline', 'PipelinedModel'],
+    'stage': ['KerasStageLayer'],
+})

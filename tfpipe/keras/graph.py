@@ -16,12 +16,7 @@ its last consumer; nothing has to be marked by the user.
 
 import keras
 
-
-# Layers whose state a re-materialized, micro-batched forward cannot reproduce
-# are refused here, before anything runs, with the reason and the fix.
-_RANDOM_FIX = ('Use remat_policy="never" (no forward is repeated), or '
-               'replace it with keras.layers.Dropout, which tfpipe reseeds '
-               'per micro-batch.')
+from tfpipe.layers import keras_exact
 
 
 class Step:
@@ -173,11 +168,19 @@ def _ExpandableModel(op, node):
 
 
 def CheckSupported(graph, remat_policy):
-  """Raises ValueError naming the first layer the pipeline cannot run."""
+  """Raises ValueError naming the first layer the pipeline cannot run.
+
+  Layers whose state a re-materialized, micro-batched forward cannot
+  reproduce are refused here, before anything runs, with the reason and the
+  fix (see keras_exact.Refusal); random layers and batch norms, nested ones
+  included, run exactly through keras_exact.ExactCalls whatever the
+  remat_policy.
+  """
+  del remat_policy  # Every policy is exact.
   for step in graph.steps:
     op = step.operation
     for layer in _SelfAndSublayers(op):
-      _CheckLayer(layer, op, remat_policy, nested=layer is not op)
+      _CheckLayer(layer, op, nested=layer is not op)
 
 
 def _SelfAndSublayers(op):
@@ -186,15 +189,13 @@ def _SelfAndSublayers(op):
   return [op]
 
 
-def _CheckLayer(layer, op, remat_policy, nested):
+def _CheckLayer(layer, op, nested):
   where = (f'layer {layer.name!r} ({type(layer).__name__}) inside layer '
            f'{op.name!r}' if nested else
            f'layer {layer.name!r} ({type(layer).__name__})')
-  if getattr(layer, 'stateful', False) is True:
-    raise ValueError(
-        f'tfpipe.keras: {where} is stateful: its state would carry from one '
-        'micro-batch to the next. Use stateful=False, or run it outside the '
-        'pipeline.')
+  reason = keras_exact.Refusal(layer)
+  if reason:
+    raise ValueError(f'tfpipe.keras: {where} {reason}')
   if getattr(layer, 'activity_regularizer', None) is not None:
     raise ValueError(
         f'tfpipe.keras: {where} has an activity_regularizer, which adds a '
@@ -207,26 +208,6 @@ def _CheckLayer(layer, op, remat_policy, nested):
         f'tfpipe.keras: {where} produces a Keras mask, which does not cross '
         'pipeline stages. Pass the mask explicitly as a model input or '
         'tensor instead (e.g. mask_zero=False).')
-  if isinstance(layer, keras.layers.BatchNormalization):
-    if layer.renorm:
-      raise ValueError(
-          f'tfpipe.keras: {where} uses renorm=True, which the pipeline '
-          'cannot defer per micro-batch. Use renorm=False.')
-    if nested:
-      raise ValueError(
-          f'tfpipe.keras: {where} is called from inside a custom layer, so '
-          'the pipeline cannot keep its moving statistics exact when the '
-          'stage is recomputed. Call the BatchNormalization layer in the '
-          'functional graph directly, or pass remat_policy="never".')
-    return
-  if isinstance(layer, keras.layers.Dropout) and not nested:
-    return
-  if remat_policy != 'never' and isinstance(
-      getattr(layer, 'seed_generator', None), keras.random.SeedGenerator):
-    raise ValueError(
-        f'tfpipe.keras: {where} draws random numbers from a stateful seed '
-        'generator, so the recomputed forward (re-materialization) would '
-        f'draw different values than the first one. {_RANDOM_FIX}')
 
 
 class StagePlan:

@@ -23,6 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import placement
 from tfpipe.gpipe import partition
 from tfpipe.gpipe import pipelining_layer
 from tfpipe.keras import costs as costs_lib
@@ -34,7 +35,7 @@ _MEAN_REDUCTIONS = ('sum_over_batch_size', 'mean', 'mean_with_sample_weight')
 
 def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pylint: disable=invalid-name
              balance='time', remat_policy='always', schedule='gpipe',
-             profile_batch_size=8, place_variables=False, executor='graph'):
+             profile_batch_size=8, place_variables=True, executor='auto'):
   """Wraps a Sequential or functional Keras model into a pipelined model.
 
   Args:
@@ -45,16 +46,20 @@ def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pyli
     balance: 'time', 'flops', 'params', 'memory', or a list of K numbers of
       layer calls per stage (in the order `describe` prints).
     remat_policy: 'always', 'except_last' or 'never'.
-    schedule: 'gpipe' or '1f1b'.
+    schedule: 'gpipe', '1f1b', 'interleaved_1f1b' (with fewer devices than
+      partitions, placed round-robin) or 'zb_h1'.
     profile_batch_size: examples per profiled call for balance='time' (and
       the batch size the 'flops'/'memory' estimates assume).
     place_variables: move each stage's existing variables onto the stage's
       device (their values are kept). Keras creates variables where the model
-      is built; this puts them where the stage runs.
-    executor: 'graph' (train_step is traced as usual) or 'threads' (one
+      is built (GPU:0 on a GPU machine); the default puts them, and so their
+      gradients and optimizer slots, where the stage runs. False leaves them
+      where they are.
+    executor: 'graph' (train_step is traced as usual), 'threads' (one
       thread per device, so stages overlap on CPU; `compile` then sets
       run_eagerly=True, since the pipeline dispatches its own traced
-      functions).
+      functions) or 'auto', which is 'graph' here: Keras stages have no
+      cost model to tell whether their actions are long enough for threads.
 
   Returns:
     A `PipelinedModel` sharing `model`'s layers and variables.
@@ -97,7 +102,7 @@ class PipelinedModel(keras.Model):
 
   def __init__(self, model, graph, plans, step_costs, balance,
                num_micro_batches, devices, remat_policy, schedule,
-               place_variables=False, executor='graph'):
+               place_variables=True, executor='auto'):
     super().__init__(name=f'{model.name}_pipelined')
     # Tracked first, so self.weights lists the model's variables in its order.
     self.source_model = model
@@ -119,6 +124,7 @@ class PipelinedModel(keras.Model):
         devices=devices, remat_policy=remat_policy, schedule=schedule,
         compile_step=False, executor=executor).Instantiate()
     self._compiled_step = None
+    self._apply_step = None
     # executor='threads' traces the last stage once per loss_fn object, so
     # the loss_fn for each batch size is kept.
     self._loss_fns = {}
@@ -149,14 +155,16 @@ class PipelinedModel(keras.Model):
 
     def LossFn(y_pred, targets):
       y, sample_weight = targets if targets is not None else (None, None)
-      loss = self._compile_loss(y, y_pred, sample_weight)
+      n_m = tf.shape(keras.tree.flatten(y_pred)[0])[0]
+      # A summed loss adds up over micro-batches; undo the n_m / N weight.
+      sum_scale = tf.cast(batch_size, tf.float32) / tf.cast(
+          n_m, tf.float32) if scale_sum else None
+      loss = _CompileLossPerMicroBatch(self._compile_loss, y, y_pred,
+                                       sample_weight, n_m, sum_scale)
       if self._compile_metrics is not None:
         self._compile_metrics.update_state(y, y_pred, sample_weight)
       if scale_sum:
-        # A summed loss adds up over micro-batches; undo the n_m / N weight.
-        n_m = tf.shape(keras.tree.flatten(y_pred)[0])[0]
-        loss = loss * tf.cast(batch_size, loss.dtype) / tf.cast(
-            n_m, loss.dtype)
+        loss = loss * tf.cast(sum_scale, loss.dtype)
       return loss
     return LossFn
 
@@ -210,11 +218,19 @@ class PipelinedModel(keras.Model):
             'functions from device threads, so train_step must run eagerly; '
             "drop run_eagerly=False or pipeline with executor='graph'.")
       kwargs['run_eagerly'] = True
-    return super().compile(*args, **kwargs)
+    result = super().compile(*args, **kwargs)
+    if self.optimizer is not None and not self.optimizer.built:
+      # Built now, eagerly, each slot next to its variable. Built lazily
+      # inside the traced train_step, the slots would be lifted out of the
+      # trace without their colocation and land on the default device.
+      self.optimizer.build(self.trainable_variables)
+    return result
 
   def _PipelineStep(self, feed, targets, training):
     batch_size = tf.shape(keras.tree.flatten(feed)[0])[0]
-    if self.pipe.p.executor == 'threads':
+    if tf.executing_eagerly():
+      # Called eagerly, the stages trace once per loss_fn object: keep one
+      # per batch size rather than a new closure per step.
       size = int(batch_size)
       if size not in self._loss_fns:
         self._loss_fns[size] = self._LossFn(size)
@@ -229,10 +245,29 @@ class PipelinedModel(keras.Model):
     loss, grads = self.ComputeLossAndGradients(x, y, sample_weight)
     batch_size = tf.shape(keras.tree.flatten(self._Feed(x))[0])[0]
     self._loss_tracker.update_state(loss, sample_weight=batch_size)
-    self.optimizer.apply_gradients(
-        [(g, v) for g, v in zip(grads, self.trainable_variables)
-         if g is not None])
+    used = tuple(i for i, g in enumerate(grads) if g is not None)
+    if tf.executing_eagerly():
+      # Eager ops without a device run on the default device (GPU:0); the
+      # traced update places each variable's work on its stage's device.
+      if self._apply_step is None:
+        self._apply_step = tf.function(self._ApplyGradients, autograph=False)
+      self._apply_step([grads[i] for i in used], used)
+    else:
+      self._ApplyGradients([grads[i] for i in used], used)
     return self.get_metrics_result()
+
+  def _ApplyGradients(self, gradients, used):
+    """The optimizer's update, each variable's part on that variable's device.
+
+    Args:
+      gradients: the gradients of the variables at positions `used` of
+        self.trainable_variables (a tuple of ints).
+    """
+    variables = [self.trainable_variables[i] for i in used]
+    with placement.FollowInputDevices():
+      gradients = placement.OnVariableDevices(gradients, variables)
+      with placement.NoSingleReplicaAllReduce(self.optimizer):
+        self.optimizer.apply_gradients(zip(gradients, variables))
 
   def save_weights(self, filepath, overwrite=True, **kwargs):
     """Saves the original model's weights (loadable into the plain model)."""
@@ -256,7 +291,11 @@ class PipelinedModel(keras.Model):
 def PlaceVariables(pipe):
   """Re-creates each cell's variables on the cell's device, keeping values."""
   for cell, device in zip(pipe.cells, pipe.cell_devices):
+    wanted = tf.DeviceSpec.from_string(device)
     for v in cell.weights:
+      current = tf.DeviceSpec.from_string(v.value.device)
+      if current.make_merged_spec(wanted) == current:
+        continue  # Already on the stage's device.
       with tf.device(device):
         v._value = tf.Variable(  # pylint: disable=protected-access
             tf.identity(v.value), dtype=v.value.dtype, trainable=v.trainable,
@@ -275,6 +314,60 @@ def _UsesSumReduction(loss):
         f'averaging reductions ({sorted(map(str, reductions))}), which cannot '
         'be weighted exactly per micro-batch. Use one kind of reduction.')
   return True
+
+
+def _CompileLossPerMicroBatch(compile_loss, y, y_pred, sample_weight,
+                              num_examples, sum_scale=None):
+  """compile_loss on one micro-batch, its per-output loss trackers weighted right.
+
+  With several outputs, Keras' CompileLoss tracks each output's loss
+  (`o1_loss`, ...) in a Mean weighted by y_pred's STATIC batch dimension.
+  In the pipeline's traced micro-batch functions that dimension is None, so
+  every micro-batch counted once whatever its size (batch 10 at M=3 gave
+  o1_loss 1.837 against 1.463). Here each tracker update is weighted by the
+  micro-batch's real size, and a summed loss is scaled by N / n_m as the
+  total is, so the trackers equal the plain model's.
+
+  Args:
+    compile_loss: the model's `_compile_loss` (a keras CompileLoss).
+    y, y_pred, sample_weight: the micro-batch's targets, outputs, weights.
+    num_examples: int32 scalar tensor, the micro-batch's size n_m.
+    sum_scale: N / n_m for reduction='sum' losses, else None.
+
+  Returns:
+    compile_loss(y, y_pred, sample_weight).
+  """
+  if not compile_loss.built:
+    # Build the trackers first, symbolically as keras' fit does, so that
+    # their first update is redirected too.
+    def Symbolic(t):
+      return None if t is None else keras.KerasTensor(
+          (None,) + tuple(t.shape[1:]), dtype=t.dtype)
+    keras.src.backend.compute_output_spec(
+        compile_loss, *keras.tree.map_structure(
+            Symbolic, (y, y_pred, sample_weight)))
+  originals = {}
+
+  def Weighted(tracker):
+    original = tracker.update_state
+
+    def UpdateState(values, sample_weight=None):
+      del sample_weight  # The static batch dimension (or None).
+      if sum_scale is not None:
+        values = values * tf.cast(sum_scale, values.dtype)
+      return original(values, sample_weight=num_examples)
+    return UpdateState
+  for tracker in compile_loss.metrics:
+    originals[tracker] = tracker.__dict__.get('update_state')
+    tracker.__dict__['update_state'] = Weighted(tracker)
+  try:
+    return compile_loss(y, y_pred, sample_weight)
+  finally:
+    for tracker, original in originals.items():
+      if original is None:
+        del tracker.__dict__['update_state']
+      else:
+        tracker.__dict__['update_state'] = original
 
 
 def describe(pm):  # pylint: disable=invalid-name

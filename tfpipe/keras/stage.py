@@ -6,8 +6,10 @@ variables. It takes a dict of named tensors and returns the dict the next
 stage needs (the last stage returns the model's outputs), which is the nested
 structure the executor already micro-batches, re-materializes and places.
 
-Two kinds of Keras layers keep state that a micro-batched, recomputed forward
-would corrupt, and are run here by hand:
+Keras layers that keep state or draw random numbers, which a micro-batched,
+recomputed forward would corrupt, run through `layers.keras_exact`, the
+same code as `layers.KerasLayer` uses, with the layer's name and position in
+the model's graph as its seed path (the same whatever the stages):
 
 * BatchNormalization in training normalises each micro-batch with its own
   statistics (as the plain model would on that micro-batch). Its moving
@@ -16,9 +18,10 @@ would corrupt, and are run here by hand:
   the update an unsplit batch would make, is applied per step. Recomputes
   record nothing. Outside a pipeline step it updates immediately, as Keras
   does, unless it is being recomputed.
-* Dropout draws its mask with a stateless op seeded by the pipeline's
-  (step, micro-batch) seed and the layer's name, so the recomputed forward
-  drops the same units.
+* Dropout and the other noise layers draw per example from the step's
+  seed, the layer's name and the example's index, so the recomputed forward
+  drops the same units; other seeded layers get stateless seeds per
+  micro-batch. This holds for layers nested inside custom layers too.
 """
 
 import numpy as np
@@ -26,83 +29,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import base_layer
-
-
-class _KerasBatchNormStats:
-  """Applies merged deferred statistics to a keras BatchNormalization layer."""
-
-  def __init__(self, layer):
-    self.layer = layer
-
-  def ApplyDeferredStats(self, records):
-    counts = [tf.cast(c, tf.float32) for c, _ in records]
-    means = [tf.cast(s['mean'], tf.float32) for _, s in records]
-    variances = [tf.cast(s['variance'], tf.float32) for _, s in records]
-    total = tf.add_n(counts)
-    mean = tf.add_n([c * m for c, m in zip(counts, means)]) / total
-    second = tf.add_n([c * (v + tf.square(m))
-                       for c, m, v in zip(counts, means, variances)]) / total
-    variance = tf.maximum(second - tf.square(mean), 0.0)
-    return UpdateMovingStats(self.layer, mean, variance)
-
-
-def UpdateMovingStats(layer, mean, variance):
-  """The keras BatchNormalization moving-average update, for given stats."""
-  momentum = layer.momentum
-  mm, mv = layer.moving_mean, layer.moving_variance
-  mean = tf.cast(mean, mm.dtype)
-  variance = tf.cast(variance, mv.dtype)
-  mm.assign(mm.value * momentum + mean * (1.0 - momentum))
-  mv.assign(mv.value * momentum + variance * (1.0 - momentum))
-  return None
-
-
-def _BatchNorm(layer, stats, inputs, training, kwargs):
-  """Keras' BatchNormalization.call, with deferred moving statistics."""
-  if kwargs.get('mask') is not None:
-    raise ValueError(
-        f'tfpipe.keras: layer {layer.name!r} (BatchNormalization) is called '
-        'with a mask, which the pipeline does not support. Apply the mask '
-        'explicitly before the layer.')
-  if not (training and layer.trainable):
-    return layer(inputs, training=training)
-  compute_dtype = keras.backend.result_type(inputs.dtype, 'float32')
-  x = tf.cast(inputs, compute_dtype)
-  mean, variance = keras.ops.moments(x, axes=layer._reduction_axes,  # pylint: disable=protected-access
-                                     synchronized=layer.synchronized)
-  collector = base_layer.CurrentStatsCollector()
-  if collector is not None:
-    shape = tf.shape(x)
-    count = tf.cast(tf.reduce_prod(tf.gather(
-        shape, layer._reduction_axes)), tf.float32)  # pylint: disable=protected-access
-    collector.Add(stats, {'mean': mean, 'variance': variance}, count)
-  elif not base_layer.IsRecomputing():
-    UpdateMovingStats(layer, mean, variance)
-  gamma = tf.cast(layer.gamma, x.dtype) if layer.scale else None
-  beta = tf.cast(layer.beta, x.dtype) if layer.center else None
-  outputs = keras.ops.batch_normalization(
-      x=x, mean=mean, variance=variance, axis=layer.axis, offset=beta,
-      scale=gamma, epsilon=layer.epsilon)
-  return tf.cast(outputs, layer.compute_dtype)
-
-
-def _Dropout(layer, inputs, training):
-  """Keras' Dropout with a stateless mask from the pipeline's step seed."""
-  seed = base_layer.CurrentStepSeed()
-  if not training or layer.rate == 0 or seed is None:
-    return layer(inputs, training=training)
-  if hasattr(layer, '_get_noise_shape'):
-    noise_shape = layer._get_noise_shape(inputs)  # pylint: disable=protected-access
-  else:
-    noise_shape = layer.noise_shape
-  if noise_shape is not None:
-    dynamic = tf.shape(inputs)
-    noise_shape = tf.stack([dynamic[i] if d is None else d
-                            for i, d in enumerate(noise_shape)])
-  salt = tf.constant([base_layer._StableHash(layer.name), 0], tf.int64)  # pylint: disable=protected-access
-  return tf.nn.experimental.stateless_dropout(
-      inputs, layer.rate, seed=tf.cast(seed, tf.int64) + salt,
-      noise_shape=noise_shape)
+from tfpipe.layers import keras_exact
 
 
 class KerasStageLayer(base_layer.BaseLayer):
@@ -134,9 +61,6 @@ class KerasStageLayer(base_layer.BaseLayer):
     # Tracked by Keras, so the cell's variables are the layers' own variables.
     self.stage_layers = [op for op in ops
                          if isinstance(op, keras.layers.Layer)]
-    self._bn_stats = {
-        id(op): _KerasBatchNormStats(op) for op in ops
-        if isinstance(op, keras.layers.BatchNormalization)}
     self.built = True
 
   def build(self, input_shape):
@@ -161,14 +85,12 @@ class KerasStageLayer(base_layer.BaseLayer):
   def _RunStep(self, step, values, training):
     op = step.operation
     args, kwargs = step.Arguments(values)
-    if isinstance(op, keras.layers.BatchNormalization):
-      kwargs.pop('training', None)
-      return _BatchNorm(op, self._bn_stats[id(op)], args[0], training, kwargs)
-    if isinstance(op, keras.layers.Dropout):
-      return _Dropout(op, args[0], training)
     if training is not None and getattr(op, '_call_has_training_arg', False):
       kwargs['training'] = training
-    outputs = op(*args, **kwargs)
+    # The step's index makes the seed path unique (nested models may reuse a
+    # name; a shared layer's calls draw apart) and the same for any stages.
+    with keras_exact.ExactCalls(op, f'{op.name}#{step.index}'):
+      outputs = op(*args, **kwargs)
     if getattr(op, '_losses', None):
       raise ValueError(
           f'tfpipe.keras: layer {op.name!r} ({type(op).__name__}) called '

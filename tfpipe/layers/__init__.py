@@ -6,34 +6,36 @@ Every layer creates its variables in `__init__` from its params and has an
 exact `FPropMeta` cost model, which the GPipe partitioner relies on.
 """
 
-from tfpipe.layers.attention import MultiHeadAttention
-from tfpipe.layers.attention import TransformerLayer
-from tfpipe.layers.conv import Conv2DLayer
-from tfpipe.layers.core import ACTIVATIONS
-from tfpipe.layers.core import Activation
-from tfpipe.layers.core import DropoutLayer
-from tfpipe.layers.core import FCLayer
-from tfpipe.layers.core import SequentialLayer
-from tfpipe.layers.embedding import EmbeddingLayer
-from tfpipe.layers.keras_layer import KerasLayer
-from tfpipe.layers.losses import SoftmaxCrossEntropy
-from tfpipe.layers.losses import SoftmaxCrossEntropyLoss
-from tfpipe.layers.normalization import BatchNormLayer
-from tfpipe.layers.normalization import LayerNorm
+from tfpipe import lazy_exports
 
-__all__ = [
-    'ACTIVATIONS',
-    'Activation',
-    'BatchNormLayer',
-    'Conv2DLayer',
-    'DropoutLayer',
-    'EmbeddingLayer',
-    'FCLayer',
-    'KerasLayer',
-    'LayerNorm',
-    'MultiHeadAttention',
-    'SequentialLayer',
-    'SoftmaxCrossEntropy',
-    'SoftmaxCrossEntropyLoss',
-    'TransformerLayer',
-]
+# Submodules are imported on first use: see tfpipe/lazy_exports.py.
+__getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
+    'amoeba': [
+        'AmoebaCell',
+        'ClassifierHead',
+        'FactorizedReduce',
+        'Pool2DLayer',
+        'ReluConvBn',
+    ],
+    'attention': ['MultiHeadAttention', 'TransformerLayer'],
+    'conv': ['Conv2DLayer'],
+    'core': [
+        'ACTIVATIONS',
+        'Activation',
+        'DropoutLayer',
+        'FCLayer',
+        'SequentialLayer',
+    ],
+    'embedding': ['EmbeddingLayer'],
+    'keras_exact': [],
+    'keras_layer': ['KerasLayer'],
+    'losses': ['SoftmaxCrossEntropy', 'SoftmaxCrossEntropyLoss'],
+    'normalization': ['BatchNormLayer', 'LayerNorm'],
+    'seq2seq': [
+        'DecoderLogits',
+        'MaskedAttention',
+        'Seq2SeqEmbedding',
+        'TransformerDecoderLayer',
+        'TransformerEncoderLayer',
+    ],
+})

@@ -112,10 +112,13 @@ class FCLayer(base_layer.BaseLayer):
 class DropoutLayer(base_layer.BaseLayer):
   """Inverted dropout that a re-materialized forward pass repeats exactly.
 
-  Inside a pipeline step the mask comes from a stateless op seeded by the
-  step's seed (`StatelessSeed`), so `tf.recompute_grad` recomputes the same
-  mask and the gradient matches the forward pass. Outside a pipeline a Keras
-  seed generator is used, which advances on every call as usual.
+  Inside a pipeline step the mask is `base_layer.StepKeepMask`: a function of
+  the step, the layer's SeedPath and, when the engine passes the
+  micro-batch's example offset, of each example's index in the whole batch.
+  So `tf.recompute_grad` recomputes the same mask, and the masks (and so the
+  loss curve) do not depend on the number of partitions or micro-batches.
+  Axis 0 of the input must be the batch. Outside a pipeline a Keras seed
+  generator is used, which advances on every call as usual.
   """
 
   @classmethod
@@ -137,14 +140,12 @@ class DropoutLayer(base_layer.BaseLayer):
     keep_prob = self.p.keep_prob
     if not training or keep_prob >= 1.0:
       return inputs
-    seed = self.StatelessSeed()
-    if seed is None:
+    mask = base_layer.StepKeepMask(tf.shape(inputs), keep_prob,
+                                   self.SeedSalt())
+    if mask is None:
       return keras.random.dropout(
           inputs, rate=1.0 - keep_prob, seed=self._seed_generator)
-    uniform = tf.random.stateless_uniform(
-        tf.shape(inputs), seed=seed, dtype=inputs.dtype)
-    return tf.where(uniform < keep_prob, inputs / keep_prob,
-                    tf.zeros_like(inputs))
+    return tf.where(mask, inputs / keep_prob, tf.zeros_like(inputs))
 
   @classmethod
   def FPropMeta(cls, p, input_shape):
@@ -165,6 +166,9 @@ class SequentialLayer(base_layer.BaseLayer):
   Keras layers get their variables under the device scope active at build
   time), and the cost is the sum of the children's chained costs.
   """
+
+  # Cells are SequentialLayers and differ with K: not part of a child's seed.
+  NAMES_CHILD_SEEDS = False
 
   @classmethod
   def Params(cls):

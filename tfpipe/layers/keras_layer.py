@@ -6,6 +6,13 @@ that has no tfpipe counterpart. Wrapping it as params lets it sit in a
 placed on a pipeline device: the wrapped layer builds its variables lazily,
 so the wrapper builds it explicitly in `build`, under whatever `tf.device`
 scope the container's build runs in.
+
+Inside a pipeline step the wrapped layer runs through
+`keras_exact.ExactCalls`, so its dropout masks and noise are repeated by a
+recompute and do not depend on the partition, its batch norms make one
+merged update per step, and layers that cannot be made exact (stateful RNNs,
+SpectralNormalization, ...) are refused when the wrapper is built, naming
+the layer and what to use instead. See the README's table of Keras layers.
 """
 
 import inspect
@@ -15,6 +22,7 @@ import numpy as np
 
 from tfpipe import base_layer
 from tfpipe.layers import core
+from tfpipe.layers import keras_exact
 
 
 class KerasLayer(base_layer.BaseLayer):
@@ -39,17 +47,27 @@ class KerasLayer(base_layer.BaseLayer):
     kwargs.setdefault('name', p.name)
     kwargs.setdefault('dtype', p.dtype)
     self.layer = p.cls(**kwargs)
+    self._CheckExact()
     self._layer_accepts_training = (
         'training' in inspect.signature(self.layer.call).parameters)
+
+  def _CheckExact(self):
+    cls = self.p.cls
+    cls_name = (f'keras.layers.{cls.__name__}' if getattr(
+        keras.layers, cls.__name__, None) is cls else cls.__name__)
+    keras_exact.CheckLayer(self.layer,
+                           f'{self.p.name}: KerasLayer(cls={cls_name})')
 
   def build(self, input_shape):
     if not self.layer.built:
       self.layer.build(input_shape)
+      self._CheckExact()  # Sublayers made in build are checked too.
 
   def FProp(self, inputs, training=None):
-    if self._layer_accepts_training:
-      return self.layer(inputs, training=training)
-    return self.layer(inputs)
+    with keras_exact.ExactCalls(self.layer, self.SeedPath()):
+      if self._layer_accepts_training:
+        return self.layer(inputs, training=training)
+      return self.layer(inputs)
 
   def compute_output_shape(self, input_shape):
     return _OutputShape(self.layer, input_shape)

@@ -12,13 +12,22 @@ Synthetic tasks ship with the project so every model trains out of the box:
     frequency, for the conv classifier.
   * `SyntheticClassificationInput`: Gaussian vectors labelled by a fixed random
     linear teacher, for the MLP.
+  * `TranslationTaskInput`: a generated translation-like task (a lexicon,
+    local reordering, one-to-two word alignments, variable lengths with
+    padding) for the encoder-decoder Transformer.
+Real text that ships with Python: `PythonSourceTextInput` reads the standard
+library's .py files as bytes, split into train and eval files by a hash of
+each path, for the character-level LM.
 Users' own data: `TFRecordInput` (tf.train.Example records, see
 `WriteTFRecordExamples`) and `TextLineInput` (token ids, one example a line).
 
 Targets use -1 for positions that carry no loss (the LM's prompt positions).
 """
 
+import hashlib
 import math
+import os
+import sysconfig
 
 import numpy as np
 import tensorflow as tf
@@ -28,6 +37,7 @@ from tfpipe import hyperparams
 # Reserved token ids of the synthetic sequence tasks.
 PAD_ID = 0
 SEP_ID = 1
+EOS_ID = 2
 
 
 class BaseInputGenerator:
@@ -182,6 +192,212 @@ class SyntheticClassificationInput(SyntheticInput):
                       output_type=tf.int32)
     return x, label
 
+
+class TranslationTaskInput(SyntheticInput):
+  """A generated translation-like task for encoder-decoder models.
+
+  A source sentence is n words (n uniform in [min_length, max_length]) of a
+  source language; its translation reorders them (each adjacent pair is
+  swapped, as adjective-noun order differs between languages), maps each
+  word through a fixed random lexicon into the target language, and writes
+  a `two_token_fraction` of the words as two tokens (the word and a suffix
+  token), so lengths differ and the alignment is not monotonic. Learning it
+  needs attention over the source, not just a per-position mapping.
+
+  Ids: PAD=0, SEP=1 (start of the decoder input), EOS=2, source words
+  [3, 3+W), target words [3+W, 3+2W), the suffix 3+2W; so vocab_size is
+  2W+4. Inputs are the source's max_length ids padded with PAD, followed by
+  the decoder input, SEP and the translation padded with PAD (one tensor,
+  as models.transformer_nmt reads it); targets are the translation and EOS,
+  padded with -1 (no loss). Both target sequences have length
+  2*max_length+1, enough for any sentence.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('num_words', 16, 'W: words of each language.')
+    p.Define('min_length', 3, 'Fewest words in a source sentence.')
+    p.Define('max_length', 8, 'Most words in a source sentence.')
+    p.Define('two_token_fraction', 0.25,
+             'Fraction of the source words translated as two tokens.')
+    p.Define('lexicon_seed', 7, 'Seed of the lexicon (fixes the task).')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.p
+    if p.num_words < 2 or not 1 <= p.min_length <= p.max_length:
+      raise ValueError(f'{p.name}: need num_words >= 2 and 1 <= min_length <= '
+                       f'max_length; received num_words={p.num_words}, '
+                       f'min_length={p.min_length}, max_length={p.max_length}.')
+    if not 0.0 <= p.two_token_fraction <= 1.0:
+      raise ValueError(f'{p.name}.two_token_fraction must be in [0, 1]; '
+                       f'received {p.two_token_fraction}.')
+    # Numpy, not tensors: configs instantiate this to read vocab_size before
+    # TensorFlow's devices are configured.
+    rng = np.random.RandomState(p.lexicon_seed)
+    self.lexicon = (3 + p.num_words +
+                    rng.permutation(p.num_words)).astype(np.int32)
+    self.two_token = np.zeros(p.num_words, np.int32)
+    self.two_token[rng.permutation(p.num_words)[
+        :int(round(p.two_token_fraction * p.num_words))]] = 1
+
+  @property
+  def vocab_size(self):
+    """Number of ids the task uses: 2W+4."""
+    return 2 * self.p.num_words + 4
+
+  @property
+  def suffix_id(self):
+    return 3 + 2 * self.p.num_words
+
+  @property
+  def source_length(self):
+    return self.p.max_length
+
+  @property
+  def target_length(self):
+    return 2 * self.p.max_length + 1
+
+  def _Example(self, seed):
+    p = self.p
+    n = tf.random.stateless_uniform([], seed, minval=p.min_length,
+                                    maxval=p.max_length + 1, dtype=tf.int32)
+    words = tf.random.stateless_uniform(
+        [p.max_length], seed + [0, 1], maxval=p.num_words,
+        dtype=tf.int32)[:n]
+    index = tf.range(n)
+    partner = index + 1 - 2 * (index % 2)  # 0<->1, 2<->3, ...
+    reordered = tf.gather(words, tf.where(partner < n, partner, index))
+    counts = 1 + tf.gather(tf.constant(self.two_token), reordered)
+    owner = tf.repeat(index, counts)
+    first = tf.gather(tf.cumsum(counts, exclusive=True), owner)
+    translation = tf.where(tf.range(tf.size(owner)) == first,
+                           tf.gather(tf.constant(self.lexicon),
+                                     tf.gather(reordered, owner)),
+                           self.suffix_id)
+
+    def Pad(x, length, value):
+      x = tf.pad(x, [[0, length - tf.size(x)]], constant_values=value)
+      return tf.ensure_shape(x, [length])
+    source = Pad(3 + words, self.source_length, PAD_ID)
+    decoder_input = Pad(tf.concat([[SEP_ID], translation], 0),
+                        self.target_length, PAD_ID)
+    targets = Pad(tf.concat([translation, [EOS_ID]], 0), self.target_length,
+                  -1)
+    return tf.concat([source, decoder_input], 0), targets
+
+
+_CORPUS_CACHE = {}
+
+
+class PythonSourceTextInput(BaseInputGenerator):
+  """Character-level LM windows of the .py sources of Python's standard library.
+
+  Real text that every Python installation ships, so a language model can
+  train on it with no download. The files under `root` (default: this
+  interpreter's stdlib, `sysconfig.get_paths()['stdlib']`, without
+  site-packages) are split into train and eval by a hash of each file's path
+  relative to `root`, so the split is the same on every run and for every
+  seed: about `eval_percent`% of the files are eval. A split's files are
+  read as bytes (ids 0..255; the stdlib is more than 99.9% ASCII) and
+  concatenated in path order.
+
+  Example i is the window at an offset drawn from the stateless seed
+  (seed, i): inputs are `sequence_length` bytes, targets the next byte at
+  each position. So a batch is a pure function of (seed, step), and an eval
+  input with a fixed seed sees the same windows at every evaluation.
+  """
+
+  VOCAB_SIZE = 256
+  EXCLUDED_DIRS = ('site-packages', 'dist-packages', '__pycache__')
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('root', '', 'Directory whose .py files are the corpus; empty '
+             'means the standard library of the running Python.')
+    p.Define('split', 'train', 'train or eval: which files to read.')
+    p.Define('eval_percent', 5, 'Percent of the files (by path hash) that '
+             'form the eval split.')
+    p.Define('sequence_length', 128, 'Bytes of each example\'s inputs.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.p
+    if p.split not in ('train', 'eval'):
+      raise ValueError(f'{p.name}.split={p.split!r}; use train or eval.')
+    if not 0 < p.eval_percent < 100:
+      raise ValueError(f'{p.name}.eval_percent must be in (0, 100); received '
+                       f'{p.eval_percent}.')
+    if p.sequence_length < 1:
+      raise ValueError(f'{p.name}.sequence_length must be >= 1; received '
+                       f'{p.sequence_length}.')
+
+  @property
+  def root(self):
+    return self.p.root or sysconfig.get_paths()['stdlib']
+
+  def Files(self):
+    """The split's files, relative to `root`, in the order they are read."""
+    root = self.root
+    if not os.path.isdir(root):
+      raise ValueError(f'{self.p.name}.root={root!r} is not a directory; set '
+                       'it to a directory of .py files.')
+    files = []
+    for directory, subdirs, names in os.walk(root):
+      subdirs[:] = sorted(d for d in subdirs if d not in self.EXCLUDED_DIRS)
+      for name in sorted(names):
+        if name.endswith('.py'):
+          path = os.path.relpath(os.path.join(directory, name), root)
+          if IsEvalFile(path, self.p.eval_percent) == (self.p.split == 'eval'):
+            files.append(path)
+    return files
+
+  def Corpus(self):
+    """The split's bytes as a uint8 numpy array (read once per process)."""
+    p = self.p
+    key = (self.root, p.split, p.eval_percent)
+    if key not in _CORPUS_CACHE:
+      chunks = []
+      for path in self.Files():
+        with open(os.path.join(self.root, path), 'rb') as f:
+          chunks.append(f.read())
+      _CORPUS_CACHE[key] = np.frombuffer(b''.join(chunks), np.uint8)
+    data = _CORPUS_CACHE[key]
+    if data.size <= p.sequence_length + 1:
+      raise ValueError(
+          f'{p.name}: the {p.split} split of {self.root!r} has {data.size} '
+          f'bytes, fewer than one example needs ({p.sequence_length + 1}); '
+          'point root at more source code or lower sequence_length.')
+    return data
+
+  def GetDataset(self, start_step=0):
+    p = self.p
+    corpus = tf.constant(self.Corpus())
+    num_offsets = tf.cast(tf.size(corpus) - p.sequence_length, tf.int64)
+    seed = tf.constant(p.seed, tf.int64)
+
+    def Example(i):
+      offset = tf.random.stateless_uniform(
+          [], tf.stack([seed, i]), maxval=num_offsets, dtype=tf.int64)
+      window = tf.cast(corpus[offset:offset + p.sequence_length + 1],
+                       tf.int32)
+      return window[:-1], window[1:]
+
+    ds = tf.data.Dataset.counter(start=start_step * p.batch_size,
+                                 dtype=tf.int64)
+    ds = ds.map(Example, num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=True)
+    return ds.batch(p.batch_size, drop_remainder=True).prefetch(2)
+
+
+def IsEvalFile(relative_path, eval_percent):
+  """Whether a file belongs to the eval split: a stable hash of its path."""
+  digest = hashlib.sha256(relative_path.replace(os.sep, '/').encode('utf-8'))
+  return int.from_bytes(digest.digest()[:8], 'big') % 100 < eval_percent
 
 class _FileInput(BaseInputGenerator):
   """Shared logic of file readers: glob, repeat, seeded shuffle, batch, skip."""

@@ -20,7 +20,7 @@ def ModelTable(p):
   """A text table: per cell, device, parameter count, cost and its layers."""
   tp = p.task
   model = tp.model.Instantiate()
-  devices = task_lib.ResolveDevices(tp.pipeline)
+  devices = task_lib.PipelineDevices(tp.pipeline)
   cells = task_lib.PartitionCells(tp, model)
   micro_batch = max(1, p.input.batch_size // tp.pipeline.num_micro_batches)
   input_shape = (micro_batch,) + tuple(model.InputShape()[1:])

@@ -16,37 +16,9 @@ import tensorflow as tf
 from tfpipe import base_layer
 from tfpipe import gpipe
 from tfpipe import hyperparams
-from tfpipe.gpipe import executor as executor_lib
-from tfpipe.gpipe import partition as partition_lib
-from tfpipe.gpipe import pipelining_layer
-from tfpipe.gpipe import schedule as schedule_lib
+from tfpipe import placement
+from tfpipe.gpipe import stage as stage_lib
 from tfpipe.trainer import optimizer as optimizer_lib
-
-
-def PipelineParams():
-  """Params of how the model is cut into cells and run as a pipeline."""
-  p = hyperparams.Params()
-  p.Define('num_partitions', 1, 'Number of pipeline cells K, one per device.')
-  p.Define('num_micro_batches', 1,
-           'Number of micro-batches M each mini-batch is split into.')
-  p.Define('schedule', 'gpipe', 'Pipeline schedule: gpipe or 1f1b.')
-  p.Define('remat_policy', 'always',
-           'Re-materialization of cell activations: always, never or '
-           'except_last.')
-  p.Define('balance', 'flops',
-           'How cells are balanced: params, flops, memory, time, or a list '
-           'of layer counts per cell.')
-  p.Define('devices', None,
-           'Device of each cell; None takes the first K GPUs, or the first K '
-           'CPU logical devices when there is no GPU.')
-  p.Define('num_replicas', 1,
-           'R data-parallel pipeline replicas (R*K devices, replica-major); '
-           'their gradients are summed into the full-batch gradient.')
-  p.Define('executor', 'graph',
-           "graph (the whole step is one tf.function) or threads (one thread "
-           'per device calls a traced function per action, so stages overlap '
-           "on CPUs and gRPC workers; needs remat_policy='always').")
-  return p
 
 
 def TrainParams():
@@ -80,29 +52,28 @@ def EvalParams():
   return p
 
 
-def _ShortDeviceNames(device_type):
-  return [f'/{device_type}:{i}'
-          for i in range(len(tf.config.list_logical_devices(device_type)))]
+def PipelineDevices(pipeline_p, prefix='task.pipeline'):
+  """The R*K devices of the pipeline `pipeline_p` describes, checked.
 
+  The pipeline's own device resolution (gpipe.ResolveDevices) decides; local
+  device names are shortened ('/CPU:0') for tables and messages.
 
-def AvailableDevices():
-  """Logical GPUs if there are any, else logical CPUs, as '/GPU:i' names."""
-  return _ShortDeviceNames('GPU') or _ShortDeviceNames('CPU')
-
-
-def ResolveDevices(pipeline_p, prefix='task.pipeline'):
-  """The K cell devices, or a ValueError saying how to get enough of them."""
-  k = pipeline_p.num_partitions * pipeline_p.num_replicas
-  devices = list(pipeline_p.devices) if pipeline_p.devices else (
-      AvailableDevices())
-  if len(devices) < k:
+  Raises:
+    ValueError: saying how to get enough devices.
+  """
+  needed = pipeline_p.num_partitions * pipeline_p.num_replicas
+  try:
+    devices = gpipe.ResolveDevices(
+        pipeline_p.devices, needed,
+        pipeline_p.round_robin_placement or (
+            pipeline_p.schedule == 'interleaved_1f1b'))
+  except ValueError as e:
     raise ValueError(
-        f'{prefix}.num_partitions x num_replicas = {k} needs {k} devices '
-        f'but only '
-        f'{len(devices)} are available ({", ".join(devices)}). Lower '
-        '--num_partitions, or on CPU raise --num_devices to at least '
-        f'{k} (it splits the CPU into logical devices).')
-  return devices[:k]
+        f'{prefix}: num_partitions x num_replicas = {needed} devices: {e} '
+        'The trainer\'s --num_devices splits the CPU or the GPUs into that '
+        'many logical devices.') from None
+  return [d[len('/device'):] if d.startswith('/device:') else d
+          for d in devices]
 
 
 def SeededLayerParams(model, random_seed):
@@ -163,6 +134,10 @@ def DescribeCells(cell_params, devices, input_shape):
 class BaseTask:
   """Builds the pipeline and optimizer; runs train and eval steps."""
 
+  # Set by the trainer (--nan_policy=skip) before the first step: an update
+  # whose loss or gradient norm is not finite is skipped inside the step.
+  skip_non_finite_updates = False
+
   @classmethod
   def Params(cls):
     p = hyperparams.InstantiableParams(cls)
@@ -172,7 +147,11 @@ class BaseTask:
              'list and the loss.')
     p.Define('random_seed', 1234,
              'Seed of the initial weights and of the per-step dropout masks.')
-    p.Define('pipeline', PipelineParams(), 'How the model is pipelined.')
+    p.Define('pipeline', gpipe.PipeliningLayer.Params().Set(
+        name='pipe', num_partitions=1),
+             'How the model is pipelined: the PipeliningLayer params the '
+             'task builds, with cell_tpl cut from the model into '
+             'num_partitions cells.')
     p.Define('train', TrainParams(), 'The training loop and optimizer.')
     p.Define('eval', EvalParams(), 'Evaluation during and after training.')
     return p
@@ -190,32 +169,10 @@ class BaseTask:
       raise ValueError(f'{prefix}.model is not set; set it to a model '
                        'builder\'s params, e.g. TransformerLm.Params().')
     pp = p.pipeline
-    if pp.num_partitions < 1:
-      raise ValueError(f'{prefix}.pipeline.num_partitions must be >= 1 (set '
-                       '--num_partitions).')
-    if pp.num_micro_batches < 1:
-      raise ValueError(f'{prefix}.pipeline.num_micro_batches must be >= 1 '
-                       '(set --num_micro_batches).')
-    if pp.schedule not in schedule_lib.SCHEDULES:
-      raise ValueError(f'{prefix}.pipeline.schedule={pp.schedule!r}; use one of '
-                       f'{sorted(schedule_lib.SCHEDULES)} (--schedule).')
-    if pp.executor not in pipelining_layer.EXECUTORS:
-      raise ValueError(f'{prefix}.pipeline.executor={pp.executor!r}; use one '
-                       f'of {list(pipelining_layer.EXECUTORS)} (--executor).')
-    if pp.executor == 'threads' and pp.remat_policy != 'always':
-      raise ValueError(
-          f"{prefix}.pipeline.executor='threads' recomputes every cell in "
-          f"its backward pass; set {prefix}.pipeline.remat_policy='always' "
-          "(--remat_policy=always) or use --executor=graph.")
-    if pp.remat_policy not in executor_lib.REMAT_POLICIES:
-      raise ValueError(
-          f'{prefix}.pipeline.remat_policy={pp.remat_policy!r}; use one of '
-          f'{list(executor_lib.REMAT_POLICIES)} (--remat_policy).')
-    if not isinstance(pp.balance, (list, tuple)) and (
-        pp.balance not in partition_lib.BALANCE_METHODS):
-      raise ValueError(
-          f'{prefix}.pipeline.balance={pp.balance!r}; use one of '
-          f'{list(partition_lib.BALANCE_METHODS)} or a list of layer counts.')
+    gpipe.PipeliningLayer.CheckParams(pp, prefix + '.pipeline')
+    if pp.num_partitions is None:
+      raise ValueError(f'{prefix}.pipeline.num_partitions is None; the task '
+                       'cuts the model into that many cells (--num_partitions).')
     for name, batch_size in (batch_sizes or {}).items():
       if batch_size < pp.num_micro_batches:
         raise ValueError(
@@ -235,19 +192,14 @@ class BaseTask:
     p = self.p
     self.CheckParams(p)
     self.model = p.model.Instantiate()
-    self.devices = ResolveDevices(p.pipeline)
+    self.devices = PipelineDevices(p.pipeline)
     keras.utils.set_random_seed(p.random_seed)
     self.cell_params = PartitionCells(p, self.model)
     with tf.device('/CPU:0'):
       self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                      name='global_step')
-    pp = p.pipeline
-    self.pipe = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=self.cell_params,
-        num_micro_batches=pp.num_micro_batches, devices=self.devices,
-        num_replicas=pp.num_replicas,
-        schedule=pp.schedule, remat_policy=pp.remat_policy,
-        executor=pp.executor).Instantiate()
+    self.pipe = p.pipeline.Copy().Set(
+        cell_tpl=self.cell_params, devices=self.devices).Instantiate()
     self._BuildPipe()
     tp = p.train
     self.learning_rate_schedule = optimizer_lib.WarmupDecaySchedule(
@@ -256,7 +208,6 @@ class BaseTask:
         tp.optimizer, self.learning_rate_schedule)
     # Slots exist before a checkpoint restore, so they are restored too.
     self.optimizer.build(self.pipe.trainable_variables)
-    self._train_step = tf.function(self._TrainStep)
     self._apply_step = tf.function(self._ApplyGradients)
     self._eval_step = tf.function(self._EvalStep)
 
@@ -283,36 +234,52 @@ class BaseTask:
 
   def _ApplyGradients(self, loss, gradients, metrics):
     variables = self.pipe.trainable_variables
-    grads = [tf.zeros_like(v) if g is None else g
-             for g, v in zip(gradients, variables)]
-    grads, grad_norm = optimizer_lib.ClipGradients(
-        grads, self.p.train.clip_gradient_norm)
-    lr = self.learning_rate_schedule(self.optimizer.iterations)
-    self.optimizer.apply_gradients(zip(grads, variables))
+    # Each variable's clip and update run on its cell's device, not on the
+    # default device (which would pull the whole model onto GPU:0).
+    placement.FollowInputDevicesToTheEnd()
+    with placement.FollowInputDevices():
+      grads = placement.OnVariableDevices(gradients, variables)
+      grads = [tf.zeros_like(v) if g is None else g
+               for g, v in zip(grads, variables)]
+      grads, grad_norm = optimizer_lib.ClipGradients(
+          grads, self.p.train.clip_gradient_norm)
+      lr = self.learning_rate_schedule(self.optimizer.iterations)
+
+      def Apply():
+        with placement.NoSingleReplicaAllReduce(self.optimizer):
+          self.optimizer.apply_gradients(zip(grads, variables))
+        return tf.constant(True)
+      if self.skip_non_finite_updates:
+        tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(grad_norm), Apply,
+                lambda: tf.constant(False))
+      else:
+        Apply()
     self.global_step.assign_add(1)
     result = {'loss': loss, 'grad_norm': grad_norm, 'learning_rate': lr}
     result.update(metrics)
     return result
 
-  def _TrainStep(self, inputs, targets):
-    out = self._ComputeLossAndGradients(inputs, targets)
-    return self._ApplyGradients(out.loss, out.gradients, out.metrics)
-
   def TrainStep(self, batch):
-    """One synchronous optimizer update on (inputs, targets); returns scalars."""
+    """One synchronous optimizer update on (inputs, targets); returns scalars.
+
+    The pipeline runs its own step (traced, or from its device threads), and
+    the update is traced separately: one code path for every executor.
+    """
     inputs, targets = batch
-    if self.p.pipeline.executor == 'threads':
-      # The pipelined step runs eagerly from its device threads; only the
-      # update is traced.
-      out = self._ComputeLossAndGradients(inputs, targets)
-      return self._apply_step(out.loss, out.gradients, out.metrics)
-    return self._train_step(inputs, targets)
+    out = self._ComputeLossAndGradients(inputs, targets)
+    return self._apply_step(out.loss, out.gradients, out.metrics)
 
   def _EvalStep(self, inputs, targets):
     outputs = self.pipe(inputs, training=False)
-    loss, metrics = _ParseLoss(self.model.Loss(outputs, targets))
-    result = {'loss': loss}
-    result.update(metrics)
+    with tf.device(self.pipe.cell_devices[-1]):
+      # The whole batch at once: a mean is the mean, a (sum, weight) pair
+      # is divided here, as the pipeline divides it in training.
+      parts = stage_lib.ParseLoss(self.model.Loss(outputs, targets), 1.0,
+                                  1.0)
+      scale = 1.0 / parts.weight if parts.is_sum else 1.0
+      result = {'loss': parts.numerator * scale}
+      result.update({name: value * scale
+                     for name, value in parts.metrics.items()})
     return result
 
   def EvalStep(self, batch):
@@ -329,9 +296,3 @@ class BaseTask:
         totals[name] = totals.get(name, 0.0) + float(value)
       count += 1
     return {name: total / max(count, 1) for name, total in totals.items()}
-
-
-def _ParseLoss(loss_output):
-  if isinstance(loss_output, (list, tuple)):
-    return loss_output[0], dict(loss_output[1])
-  return loss_output, {}

@@ -6,12 +6,24 @@ function of (seed, step) and is restarted at the restored step; dropout is
 seeded by the step. So a run killed at any point and restarted produces the
 same losses as one that never stopped.
 
-A SIGKILL can interrupt a save. `tf.train.CheckpointManager` writes the data
-and index files first and then atomically replaces the `checkpoint` state
-file that names the latest checkpoint, so a partial save is never listed and
-`latest_checkpoint` is always a complete one.
+A training run never loses a good checkpoint and never trains on a model it
+does not match (tests/trainer/data_safety_test.py injects each fault):
+* the logdir is locked for the run (`logdir_lock`): a second trainer on it
+  is refused, naming the holder;
+* the run's params are compared with the logdir's params.txt before
+  anything is written (`params_file`);
+* checkpoints are read back before they count, old ones are deleted only
+  after that, and a restore takes the newest one that reads back, whatever
+  the state file says (`checkpoint_keeper`);
+* a non-finite loss or gradient norm stops the run before anything from
+  that step is saved, naming the step; with `nan_policy='skip'` the task
+  skips such an update inside its step (weights and optimizer untouched) at
+  most `max_nan_skips` times. No checkpoint is written while any variable
+  is non-finite.
+Every refusal is a `STOP_ERRORS` exception whose message says what to do.
 """
 
+import math
 import os
 import time
 
@@ -20,8 +32,22 @@ from tensorflow.core.framework import summary_pb2
 from tensorflow.python.framework import config as tf_config
 
 from tfpipe import timeline as timeline_lib
+from tfpipe.trainer import checkpoint_keeper
+from tfpipe.trainer import device_memory
+from tfpipe.trainer import logdir_lock
+from tfpipe.trainer import params_file
 
 CHECKPOINT_DIR = 'checkpoints'
+NAN_POLICIES = ('stop', 'skip')
+
+
+class TrainingStopped(Exception):
+  """The run stopped to keep the logdir good; the message says what to do."""
+
+
+# What a training run raises instead of losing or mixing up data.
+STOP_ERRORS = (logdir_lock.LogdirError, params_file.ParamsChangedError,
+               checkpoint_keeper.CheckpointError, TrainingStopped)
 
 # TensorBoard's scalar plugin reads any float summary tagged with this
 # metadata; writing it directly needs no tensorboard package at train time.
@@ -46,31 +72,97 @@ def FormatMetrics(metrics):
   return ' '.join(f'{k}={v:.6g}' for k, v in sorted(metrics.items()))
 
 
+def CheckParams(p):
+  """Raises ValueError naming a bad param of the loops, before any work."""
+  if p.task.eval.interval_steps < 0:
+    raise ValueError(
+        f'task.eval.interval_steps must be >= 0 (0: evaluate only at the '
+        f'end); received {p.task.eval.interval_steps} (--eval_interval_steps).')
+  if p.task.eval.num_batches < 1:
+    raise ValueError('task.eval.num_batches must be >= 1; received '
+                     f'{p.task.eval.num_batches}.')
+
+
+def _NonFiniteVariables(variables):
+  """Names of the float variables that hold a NaN or an Inf.
+
+  Each is checked on its own device, so no device gathers another's tensors.
+  """
+  bad = []
+  for v in variables:
+    if not tf.as_dtype(v.dtype).is_floating:
+      continue
+    value = tf.convert_to_tensor(v)  # Read where the variable lives.
+    with tf.device(value.device):
+      finite = tf.reduce_all(tf.math.is_finite(value))
+    if not bool(finite):
+      bad.append(getattr(v, 'path', None) or v.name)
+  return bad
+
+
 class Trainer:
   """Runs training and evaluation of an experiment's params in a logdir."""
 
-  def __init__(self, params, logdir, log=_PrintFlush):
+  def __init__(self, params, logdir, log=_PrintFlush, nan_policy='stop',
+               max_nan_skips=10, allow_params_change=False):
+    """Builds the task; touches nothing on disk.
+
+    Args:
+      params: the experiment params.
+      logdir: checkpoints, summaries and params.txt go here.
+      log: prints one line.
+      nan_policy: on a non-finite loss or gradient norm, 'stop' the run, or
+        'skip' that update (the step still counts).
+      max_nan_skips: with 'skip', the run stops at the skip after this many.
+      allow_params_change: resume a logdir whose params.txt differs in the
+        model or training.
+    """
+    CheckParams(params)
+    if nan_policy not in NAN_POLICIES:
+      raise ValueError(f'nan_policy={nan_policy!r}; use one of '
+                       f'{NAN_POLICIES} (--nan_policy).')
+    if max_nan_skips < 0:
+      raise ValueError(f'max_nan_skips must be >= 0; received {max_nan_skips}'
+                       ' (--max_nan_skips).')
     self._params = params
     self._logdir = logdir
     self._log = log
+    self._nan_policy = nan_policy
+    self._max_nan_skips = max_nan_skips
+    self._allow_params_change = allow_params_change
+    self.nan_skips = 0
+    self._params_to_write = None  # (comparison, step) until the first save.
     self.task = params.task.Instantiate()
+    if nan_policy == 'skip':
+      if not hasattr(self.task, 'skip_non_finite_updates'):
+        raise ValueError(
+            f"nan_policy='skip' needs a task that can skip an update inside "
+            f'its step; {type(self.task).__name__} has no '
+            'skip_non_finite_updates. Use --nan_policy=stop.')
+      self.task.skip_non_finite_updates = True
     self.checkpoint = tf.train.Checkpoint(**self.task.CheckpointObjects())
-    tp = params.task.train
-    self.manager = tf.train.CheckpointManager(
+    self.manager = checkpoint_keeper.CheckpointKeeper(
         self.checkpoint, os.path.join(logdir, CHECKPOINT_DIR),
-        max_to_keep=tp.max_checkpoints_to_keep,
-        step_counter=self.task.global_step)
+        max_to_keep=params.task.train.max_checkpoints_to_keep, log=log)
 
   @property
   def step(self):
     return int(self.task.global_step.numpy())
 
-  def RestoreLatest(self):
-    """Restores the newest complete checkpoint; returns its path or None."""
-    path = self.manager.latest_checkpoint
-    if path:
-      self.checkpoint.restore(path).assert_existing_objects_matched()
-    return path
+  def RestoreLatest(self, read_only=True):
+    """Restores the newest checkpoint that reads back; its path or None.
+
+    Raises:
+      checkpoint_keeper.CheckpointError: checkpoints exist but none reads
+        back, or the newest one does not fit the model.
+    """
+    return self.manager.RestoreNewest(read_only=read_only)
+
+  def RestoreForEvaluation(self):
+    """Checks params.txt and restores, writing nothing (a trainer may run)."""
+    params_file.CheckParams(self._logdir, self._params,
+                            self._allow_params_change, self._log)
+    return self.RestoreLatest(read_only=True)
 
   def _Writer(self, name):
     return tf.summary.create_file_writer(os.path.join(self._logdir, name))
@@ -129,19 +221,116 @@ class Trainer:
     self._log('timeline written to ' + ', '.join(written))
     return recorded
 
+  def _Variables(self):
+    return list(self.task.pipe.variables) + list(self.task.optimizer.variables)
+
+  def _Save(self, step):
+    """Saves a checkpoint of `step` if every variable is finite."""
+    bad = _NonFiniteVariables(self._Variables())
+    if bad:
+      others = f' (and {len(bad) - 1} more variables)' if len(bad) > 1 else ''
+      raise TrainingStopped(
+          f'Step {step}: {bad[0]}{others} holds non-finite values, so no '
+          'checkpoint was written. ' + self._LastGood() + _NAN_ADVICE)
+    self.manager.save(checkpoint_number=step)
+    if self._params_to_write is not None:
+      params_file.WriteParams(self._logdir, self._params,
+                              *self._params_to_write)
+      self._params_to_write = None
+
+  def _LastGood(self):
+    last = self.manager.latest_checkpoint
+    if last:
+      return f'The last good checkpoint, {last}, is kept. '
+    return 'There is no checkpoint yet. '
+
+  def _OnNonFinite(self, step, loss, grad_norm, writer):
+    """Counts a skipped update, or raises TrainingStopped."""
+    what = f'loss={loss:g} grad_norm={grad_norm:g}'
+    if self._nan_policy == 'skip' and self.nan_skips < self._max_nan_skips:
+      self.nan_skips += 1
+      self._log(f'step {step}: {what} is not finite; the update was skipped '
+                f'({self.nan_skips} of at most {self._max_nan_skips}, '
+                '--max_nan_skips).')
+      WriteScalars(writer, step, {'nan_skips': float(self.nan_skips)})
+      return
+    if self._nan_policy == 'skip':
+      why = (f'{what} is not finite after {self.nan_skips} skipped update(s) '
+             f'(--max_nan_skips={self._max_nan_skips})')
+    else:
+      why = f'{what} is not finite'
+    raise TrainingStopped(
+        f'Step {step}: {why}; stopped before saving anything from it. '
+        + self._LastGood() + _NAN_ADVICE)
+
   def Train(self):
-    """Trains to `task.train.max_steps`; returns the final eval metrics."""
+    """Trains to `task.train.max_steps`; returns the final eval metrics.
+
+    Raises:
+      One of STOP_ERRORS when the run cannot go on without losing or mixing
+      up data; nothing good in the logdir has been changed then.
+    """
+    logdir_lock.PrepareLogdir(self._logdir)
+    with logdir_lock.LogdirLock(self._logdir, self._log):
+      return self._Train()
+
+  def _Restore(self, comparison):
+    try:
+      return self.RestoreLatest(read_only=False)
+    except checkpoint_keeper.CheckpointMismatchError as e:
+      layout = [d for d in comparison.execution
+                if d[0].startswith(params_file.EXECUTION_PARAM_PREFIXES)]
+      if not layout or comparison.training:
+        raise
+      changed = ', '.join(f'{k} {o} -> {n}' for k, o, n in layout)
+      e.args = (
+          f'{e.path} reads back but does not fit this model: {e.detail} This '
+          f'run changed only the pipeline layout ({changed}), and this '
+          'model\'s checkpoint depends on it (e.g. batch-norm statistics '
+          'are saved per cell): resume with the layout of its params.txt, or '
+          'give a new --logdir.',)
+      raise
+
+  def _Resume(self):
+    """Checks params.txt, cleans up and restores; returns the restored path."""
     p = self._params
     tp = p.task.train
-    restored = self.RestoreLatest()
+    comparison = params_file.CheckParams(
+        self._logdir, p, self._allow_params_change, self._log)
+    self.manager.CleanLeftovers()
+    restored = self._Restore(comparison)
     start = self.step
     if restored:
       self._log(f'Restored {restored} at step {start}.')
+    if start > tp.max_steps:
+      raise TrainingStopped(
+          f'task.train.max_steps={tp.max_steps} (--max_steps) is below step '
+          f'{start}, restored from {restored}: there is nothing to train. '
+          f'Raise --max_steps above {start} to train on, or use --mode=eval '
+          'to evaluate it.')
+    # params.txt describes the params that trained the logdir's checkpoints:
+    # a resumed run rewrites it with its first checkpoint, so a run that
+    # stops before one leaves it as it was.
+    self._params_to_write = (comparison, start)
+    if not restored:
+      params_file.WriteParams(self._logdir, p, comparison, start)
+      self._params_to_write = None
+    if start == tp.max_steps:
+      self._log(f'Step {start} is already task.train.max_steps; nothing to '
+                'train (raise --max_steps to train on).')
+    return restored
+
+  def _Train(self):
+    p = self._params
+    tp = p.task.train
+    restored = self._Resume()
+    start = self.step
     batch_size = p.input.batch_size
     dataset = p.input.Instantiate().GetDataset(start)
     train_writer = self._Writer('train')
     eval_writer = self._Writer('eval')
     eval_interval = p.task.eval.interval_steps
+    memory = device_memory.PeakMemory(self.task.devices)
     run_start = time.time()
     interval_start = time.time()
     interval_steps = 0
@@ -154,6 +343,9 @@ class Trainer:
         self.RecordTimeline(batch)
       out = self.task.TrainStep(batch)
       step = self.step
+      loss, grad_norm = float(out['loss']), float(out['grad_norm'])
+      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        self._OnNonFinite(step, loss, grad_norm, train_writer)
       interval_steps += 1
       if step % tp.log_interval_steps == 0 or step == tp.max_steps:
         metrics = {k: float(v) for k, v in out.items()}
@@ -161,25 +353,35 @@ class Trainer:
         step_time = elapsed / interval_steps
         metrics['step_time_s'] = step_time
         metrics['examples_per_sec'] = batch_size / max(step_time, 1e-9)
-        WriteScalars(train_writer, step, metrics)
+        peaks = memory.PeaksAndReset()
+        WriteScalars(train_writer, step,
+                     {**metrics, **device_memory.SummaryScalars(peaks)})
         self._log(
             f'step {step}/{tp.max_steps} loss={metrics["loss"]:.6f} '
             f'examples/s={metrics["examples_per_sec"]:.1f} '
-            f'step_time={1000 * step_time:.1f}ms ' + FormatMetrics({
-                k: v for k, v in metrics.items() if k not in (
-                    'loss', 'examples_per_sec', 'step_time_s')}))
+            f'step_time={1000 * step_time:.1f}ms ' + ' '.join(filter(None, [
+                FormatMetrics({k: v for k, v in metrics.items() if k not in (
+                    'loss', 'examples_per_sec', 'step_time_s')}),
+                device_memory.FormatPeaks(peaks)])))
         interval_start = time.time()
         interval_steps = 0
       if step % tp.save_interval_steps == 0:
-        self.manager.save(checkpoint_number=step)
+        self._Save(step)
         saved_step = step
       if eval_interval and step % eval_interval == 0 and step < tp.max_steps:
         self._EvaluateAndLog(eval_writer)
     if saved_step != self.step:
-      self.manager.save(checkpoint_number=self.step)
+      self._Save(self.step)
     final = self._EvaluateAndLog(eval_writer)
+    trained = (f'train_loss={metrics["loss"]:.6f} ' if 'loss' in metrics
+               else '')
     self._log(
-        f'Final: step={self.step} train_loss={metrics.get("loss", float("nan")):.6f} '
-        f'eval: {FormatMetrics(final)} '
+        f'Final: step={self.step} {trained}eval: {FormatMetrics(final)} '
         f'train_time={time.time() - run_start:.1f}s')
     return final
+
+
+_NAN_ADVICE = ('Lower task.train.learning_rate, keep '
+               'task.train.clip_gradient_norm > 0, or pass --nan_policy=skip '
+               'to skip such updates; resume with --allow_params_change if '
+               'you change params.')

@@ -3,21 +3,32 @@
   python -m tfpipe.trainer --model=lm.TinyTransformerLm --logdir=/tmp/lm
 
 The experiment's params come from the model registry, are overridden by
---model_params_override and then by the explicit flags, checked, and written
-to <logdir>/params.txt. Every configuration error is reported with the flag
-or param to change before TensorFlow starts any work. On CPU the process is
-split into logical devices (one per pipeline partition unless --num_devices
-says otherwise) before TensorFlow initialises, which must happen first.
+--model_params_override and then by the explicit flags, and are checked.
+Every configuration error is reported with the flag or param to change before
+TensorFlow starts any work. The run uses a GPU when one is visible
+(--run_locally), and splits the CPU or the GPUs into as many logical devices
+as the pipeline needs (--num_devices; see tfpipe.devices) before TensorFlow
+initialises, which must happen first. TensorFlow's C++ start-up log is
+hidden unless --verbosity=1 (see tfpipe.quiet).
+
+A run that would lose or mix up data (a locked logdir, params that differ
+from its params.txt, checkpoints that do not read back, a non-finite loss)
+stops with one `ERROR:` line saying what to do, and exit status 1; see
+train_loop for the guarantees.
 """
 
 import os
+import re
 import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 
+from tfpipe import devices
 from tfpipe import multihost
+from tfpipe import quiet
+from tfpipe.trainer import logdir_lock
 
 MODES = ('train', 'eval', 'inspect_params', 'inspect_model')
 
@@ -26,7 +37,8 @@ flags.DEFINE_string('model', 'lm.TinyTransformerLm',
 flags.DEFINE_string('logdir', None,
                     'Directory of checkpoints, summaries and params.txt.')
 flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
-flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
+flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.',
+                     lower_bound=1)
 flags.DEFINE_integer('seed', None,
                      'Overrides the model seed and the input seeds.')
 flags.DEFINE_string('model_params_override', '',
@@ -35,30 +47,57 @@ flags.DEFINE_string('model_params_override', '',
 flags.DEFINE_enum('run_locally', 'auto', ['auto', 'cpu', 'gpu'],
                   'Where to run: cpu, gpu, or auto (gpu when one is visible).')
 flags.DEFINE_integer('num_devices', 0,
-                     'Devices to use; on CPU, the number of logical devices '
-                     '(0: one per pipeline partition).')
+                     'Logical devices to make, on the CPU or the GPUs (0: '
+                     'one per pipeline partition x replica). More than the '
+                     'GPUs splits them into logical GPUs.', lower_bound=0)
+flags.DEFINE_integer('logical_gpu_memory_mb', None,
+                     'Memory of each logical GPU in MiB when the GPUs are '
+                     'split (default: each GPU\'s memory, less a reserve, '
+                     'shared evenly); given with whole GPUs, caps each.',
+                     lower_bound=1)
 flags.DEFINE_integer('num_partitions', None,
-                     'Overrides task.pipeline.num_partitions.')
+                     'Overrides task.pipeline.num_partitions.', lower_bound=1)
 flags.DEFINE_integer('num_micro_batches', None,
-                     'Overrides task.pipeline.num_micro_batches.')
+                     'Overrides task.pipeline.num_micro_batches.',
+                     lower_bound=1)
 flags.DEFINE_string('schedule', None, 'Overrides task.pipeline.schedule.')
 flags.DEFINE_string('remat_policy', None,
                     'Overrides task.pipeline.remat_policy.')
-flags.DEFINE_string('balance', None, 'Overrides task.pipeline.balance.')
+flags.DEFINE_string('balance', None,
+                    'Overrides task.pipeline.balance: a method (params, flops, '
+                    'memory, time) or layer counts per cell, e.g. 2,4.')
 flags.DEFINE_string('executor', None, 'Overrides task.pipeline.executor: '
-                    'graph or threads.')
+                    'auto, graph or threads.')
+flags.DEFINE_integer('num_replicas', None, 'Overrides '
+                     'task.pipeline.num_replicas: R data-parallel pipeline '
+                     'replicas, so the pipeline uses R*K devices.',
+                     lower_bound=1)
 flags.DEFINE_integer('save_interval_steps', None,
-                     'Overrides task.train.save_interval_steps.')
+                     'Overrides task.train.save_interval_steps.',
+                     lower_bound=1)
 flags.DEFINE_integer('log_interval_steps', None,
-                     'Overrides task.train.log_interval_steps.')
+                     'Overrides task.train.log_interval_steps.', lower_bound=1)
 flags.DEFINE_integer('eval_interval_steps', None,
-                     'Overrides task.eval.interval_steps.')
+                     'Overrides task.eval.interval_steps (0: only at the end).',
+                     lower_bound=0)
 flags.DEFINE_integer('timeline_step', None,
                      'Overrides task.train.timeline_step: record that step\'s '
-                     'per-device timeline into the logdir.')
+                     'per-device timeline into the logdir.', lower_bound=0)
 flags.DEFINE_boolean('deterministic', True,
                      'Use deterministic TensorFlow ops, so reruns and resumed '
                      'runs give identical losses.')
+
+flags.DEFINE_enum('nan_policy', 'stop', ['stop', 'skip'],
+                  'On a non-finite loss or gradient norm: stop the run (no '
+                  'checkpoint is written from that step), or skip that '
+                  'update (weights and optimizer untouched; the step counts).')
+flags.DEFINE_integer('max_nan_skips', 10,
+                     'With --nan_policy=skip, stop at the non-finite step '
+                     'after this many skipped updates in one run.',
+                     lower_bound=0)
+flags.DEFINE_boolean('allow_params_change', False,
+                     'Resume a logdir whose params.txt differs in the model or '
+                     'training (not only in pipeline layout or run length).')
 
 multihost.DefineFlags()
 
@@ -72,6 +111,7 @@ def BuildParams():
   """The experiment params from the registry, overrides and flags; checked."""
   from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
   try:
     p = model_registry.GetParams(FLAGS.model, 'Train')
   except model_registry.ModelNotFoundError as e:
@@ -87,8 +127,10 @@ def BuildParams():
       'task.pipeline.num_micro_batches': FLAGS.num_micro_batches,
       'task.pipeline.schedule': FLAGS.schedule,
       'task.pipeline.remat_policy': FLAGS.remat_policy,
-      'task.pipeline.balance': FLAGS.balance,
+      'task.pipeline.balance': (None if FLAGS.balance is None else
+                                ParseBalance(FLAGS.balance)),
       'task.pipeline.executor': FLAGS.executor,
+      'task.pipeline.num_replicas': FLAGS.num_replicas,
       'task.train.save_interval_steps': FLAGS.save_interval_steps,
       'task.train.log_interval_steps': FLAGS.log_interval_steps,
       'task.eval.interval_steps': FLAGS.eval_interval_steps,
@@ -102,61 +144,95 @@ def BuildParams():
     task_lib.BaseTask.CheckParams(
         p.task, batch_sizes={'input.batch_size': p.input.batch_size,
                              'eval_input.batch_size': p.eval_input.batch_size})
+    train_loop.CheckParams(p)
   except ValueError as e:
     raise app.UsageError(_Message(e)) from None
+  if FLAGS.nan_policy == 'skip' and not hasattr(p.task.cls,
+                                                'skip_non_finite_updates'):
+    raise app.UsageError(
+        f'--nan_policy=skip needs a task that can skip an update inside its '
+        f'step; {p.task.cls.__name__} cannot. Use --nan_policy=stop.')
   return p
+
+
+def ParseBalance(text):
+  """--balance: a method name, or layer counts per cell ('2,4' or '[2, 4]')."""
+  counts = text.strip().strip('[]()')
+  if re.fullmatch(r'\s*\d+\s*(,\s*\d+\s*)*,?\s*', counts):
+    return [int(c) for c in counts.split(',') if c.strip()]
+  return text
+
+
+def CheckPartition(p):
+  """Raises UsageError if the model cannot be cut as the params say.
+
+  Uses only the layers' cost models, so it runs before TensorFlow starts;
+  balance='time' profiles on devices and is checked when the task is built.
+  """
+  from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
+  if p.task.pipeline.balance == 'time':
+    return
+  try:
+    task_lib.PartitionCells(p.task, p.task.model.Instantiate())
+  except ValueError as e:
+    raise app.UsageError(
+        f'{_Message(e)} (task.pipeline.num_partitions='
+        f'{p.task.pipeline.num_partitions}, balance='
+        f'{p.task.pipeline.balance}: --num_partitions, --balance)') from None
 
 
 def _Message(e):
   return e.args[0] if e.args else str(e)
 
 
-def ConfigureDevices(num_partitions):
-  """Chooses CPU or GPU and splits the CPU into logical devices.
+def NumDevicesNeeded(p):
+  """(logical devices to make, why): --num_devices, else partitions x replicas."""
+  if FLAGS.num_devices:
+    return FLAGS.num_devices, f'--num_devices={FLAGS.num_devices}'
+  needed = p.task.pipeline.num_partitions * p.task.pipeline.num_replicas
+  return needed, f'task.pipeline.num_partitions x num_replicas = {needed}'
 
-  Must run before TensorFlow initialises its runtime.
+
+def ConfigureDevices(p):
+  """Chooses CPU or GPU and splits it into the logical devices the run needs.
+
+  Must run before TensorFlow initialises its runtime. On a GPU it prints one
+  line saying which GPUs it uses and how it split them; a CPU run prints
+  nothing.
 
   Args:
-    num_partitions: pipeline partitions, the default number of CPU devices.
+    p: the experiment params (for the number of partitions).
+
+  Returns:
+    The tfpipe.devices.Split applied, or None if TensorFlow had already
+    started with enough devices.
   """
+  try:
+    device_type = devices.ChooseDeviceType(FLAGS.run_locally)
+    if device_type == 'CPU' and FLAGS.logical_gpu_memory_mb is not None:
+      raise ValueError(
+          f'--logical_gpu_memory_mb={FLAGS.logical_gpu_memory_mb} sets the '
+          'memory of logical GPUs, but this run is on the CPU '
+          f'(--run_locally={FLAGS.run_locally}); leave it unset.')
+    needed, why = NumDevicesNeeded(p)
+    split, _ = devices.SplitLocalDevices(
+        device_type, needed, memory_limit_mb=FLAGS.logical_gpu_memory_mb,
+        memory_name='--logical_gpu_memory_mb')
+  except ValueError as e:
+    raise app.UsageError(_Message(e)) from None
+  if split is not None and split.device_type == 'GPU':
+    print(split.Describe(why), flush=True)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  gpus = tf.config.list_physical_devices('GPU')
-  use_gpu = FLAGS.run_locally == 'gpu' or (FLAGS.run_locally == 'auto' and
-                                           gpus)
-  if use_gpu:
-    if not gpus:
-      raise app.UsageError('--run_locally=gpu but no GPU is visible; use '
-                           '--run_locally=cpu.')
-    if FLAGS.num_devices > len(gpus):
-      raise app.UsageError(f'--num_devices={FLAGS.num_devices} but only '
-                           f'{len(gpus)} GPUs are visible; lower it.')
-    if FLAGS.num_devices:
-      tf.config.set_visible_devices(gpus[:FLAGS.num_devices], 'GPU')
-  else:
-    if gpus:
-      tf.config.set_visible_devices([], 'GPU')
-    wanted = FLAGS.num_devices or num_partitions
-    cpus = tf.config.list_physical_devices('CPU')
-    try:
-      tf.config.set_logical_device_configuration(
-          cpus[0], [tf.config.LogicalDeviceConfiguration()] * wanted)
-    except RuntimeError:
-      # Already initialised (e.g. called twice in one process); keep it if
-      # there are enough devices.
-      have = len(tf.config.list_logical_devices('CPU'))
-      if have < wanted:
-        raise app.UsageError(
-            f'TensorFlow is already initialised with {have} CPU devices; '
-            f'{wanted} are needed (--num_devices).') from None
   if FLAGS.deterministic:
     tf.config.experimental.enable_op_determinism()
+  return split
 
 
 def CheckDevices(p):
   """Raises UsageError if the pipeline needs more devices than there are."""
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
   try:
-    return task_lib.ResolveDevices(p.task.pipeline)
+    return task_lib.PipelineDevices(p.task.pipeline)
   except ValueError as e:
     raise app.UsageError(_Message(e)) from None
 
@@ -170,10 +246,13 @@ def InspectModel(p):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}.')
-  if not FLAGS['verbosity'].present:
+  verbosity = FLAGS.verbosity if FLAGS['verbosity'].present else None
+  if verbosity is None:
     # TensorFlow's INFO logs (e.g. per-save sharding timings) would drown the
     # progress lines; --verbosity=0 brings them back.
     logging.set_verbosity(logging.WARNING)
+  show_startup_log = quiet.ShowStartupLog(verbosity)
+  quiet.ImportTensorFlow(show_startup_log)
   try:
     if multihost.MaybeServe(FLAGS):
       return 0
@@ -182,11 +261,21 @@ def main(argv):
   p = BuildParams()
   if FLAGS.mode == 'inspect_params':
     print(p.ToText(), end='')
+    # From the layers' cost models: no variable is created, so the paper's
+    # billion-parameter configurations report their size in a moment.
+    print(f'# trainable parameters: {p.task.model.Instantiate().NumParams():,}')
     return 0
   if FLAGS.mode in ('train', 'eval') and not FLAGS.logdir:
     raise app.UsageError(f'--logdir is required for --mode={FLAGS.mode}; '
                          'e.g. --logdir=/tmp/tfpipe_lm.')
-  ConfigureDevices(p.task.pipeline.num_partitions)
+  if FLAGS.mode == 'train':
+    try:
+      logdir_lock.PrepareLogdir(FLAGS.logdir)
+    except logdir_lock.LogdirError as e:
+      raise app.UsageError(str(e)) from None
+  CheckPartition(p)
+  with quiet.QuietStderr(show_startup_log):
+    ConfigureDevices(p)
   try:
     controller = multihost.SetUpController(FLAGS, p)
   except (ValueError, RuntimeError, TimeoutError) as e:
@@ -196,36 +285,43 @@ def main(argv):
     print(InspectModel(p))
     return 0
 
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
-  tf.io.gfile.makedirs(FLAGS.logdir)
-  trainer = train_loop.Trainer(p, FLAGS.logdir)
+  trainer = train_loop.Trainer(
+      p, FLAGS.logdir, nan_policy=FLAGS.nan_policy,
+      max_nan_skips=FLAGS.max_nan_skips,
+      allow_params_change=FLAGS.allow_params_change)
   if controller:
     controller.UseControllerIo(trainer)
-  if FLAGS.mode == 'eval':
-    if not trainer.RestoreLatest():
-      raise app.UsageError(f'--mode=eval: no checkpoint in {FLAGS.logdir}; '
-                           'train first or point --logdir at a trained run.')
-    metrics = trainer.Evaluate()
-    print(f'eval step {trainer.step}: ' + train_loop.FormatMetrics(metrics))
-    return 0
-  with tf.io.gfile.GFile(os.path.join(FLAGS.logdir, 'params.txt'), 'w') as f:
-    f.write(p.ToText())
-  print(f'Training {FLAGS.model} in {FLAGS.logdir} on '
-        f'{p.task.pipeline.num_partitions} partition(s) x '
-        f'{p.task.pipeline.num_micro_batches} micro-batch(es).', flush=True)
-  if controller:
-    controller.Run(trainer.Train)
-    sys.stdout.flush()
-    os._exit(0)  # pylint: disable=protected-access
-  trainer.Train()
+  try:
+    if FLAGS.mode == 'eval':
+      if not trainer.RestoreForEvaluation():
+        raise app.UsageError(f'--mode=eval: no checkpoint in {FLAGS.logdir}; '
+                             'train first or point --logdir at a trained '
+                             'run.')
+      metrics = trainer.Evaluate()
+      print(f'eval step {trainer.step}: ' + train_loop.FormatMetrics(metrics))
+      return 0
+    print(f'Training {FLAGS.model} in {FLAGS.logdir} on '
+          f'{p.task.pipeline.num_partitions} partition(s) x '
+          f'{p.task.pipeline.num_micro_batches} micro-batch(es).', flush=True)
+    if controller:
+      controller.Run(trainer.Train)
+      sys.stdout.flush()
+      os._exit(0)  # pylint: disable=protected-access
+    trainer.Train()
+  except train_loop.STOP_ERRORS as e:
+    print(f'ERROR: {e}', file=sys.stderr, flush=True)
+    if controller:
+      # Tearing down a cluster context can hang; nothing is left to save.
+      sys.stdout.flush()
+      os._exit(1)  # pylint: disable=protected-access
+    return 1
   sys.stdout.flush()
   return 0
 
 
 def run():
   """Console entry point of `tfpipe-train`."""
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   app.run(main)
 
 

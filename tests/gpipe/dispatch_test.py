@@ -1,16 +1,13 @@
-"""The thread-per-device executor computes what the graph executor computes.
+"""Dispatchers change how actions are issued, never the result.
 
-executor='threads' changes how the schedule is dispatched, never the result:
-loss, gradients, dropout masks, batch-norm statistics and replicas must equal
-the graph executor's (and so the plain model's). It must also fail cleanly:
-an error in one device thread ends the step with the cell named, instead of
-leaving the other threads waiting.
+executor='threads' (a thread per device) must give the loss, gradients,
+dropout masks, batch-norm statistics and replicas of executor='graph' (inline
+in one graph), and so of the plain model. It must also fail cleanly: an error
+in one device thread ends the step with the cell named, instead of leaving
+the other threads waiting.
 """
 
-import json
-import os
-import subprocess
-import sys
+import threading
 
 import numpy as np
 import pytest
@@ -20,7 +17,7 @@ from tests.gpipe import pipelining_layer_test as plt_test
 from tfpipe import gpipe
 from tfpipe import layers
 from tfpipe import timeline
-from tfpipe.gpipe import threaded_executor
+from tfpipe.gpipe import dispatch
 
 _Pipeline = plt_test._Pipeline  # pylint: disable=protected-access
 _Data = plt_test._Data  # pylint: disable=protected-access
@@ -145,13 +142,8 @@ def test_error_in_a_device_thread_names_the_cell_and_does_not_hang():
   assert np.isfinite(out.loss)
 
 
-def test_error_threads_need_remat_always():
-  with pytest.raises(ValueError, match="remat_policy='always'"):
-    _Pipeline(_LayerParams(2), 2, 2, executor='threads', remat_policy='never')
-
-
 def test_error_unknown_executor():
-  with pytest.raises(ValueError, match="unknown executor 'thread'"):
+  with pytest.raises(ValueError, match="Received: executor='thread'"):
     _Pipeline(_LayerParams(2), 2, 2, executor='thread')
 
 
@@ -174,8 +166,10 @@ def test_inside_tf_function_emits_the_cell_functions_into_one_graph(schedule):
     _AssertAllClose(grads, ref.gradients)
   eager = pipe.ComputeLossAndGradients(x, y, _Loss, step=2)
   np.testing.assert_allclose(eager.loss, ref.loss, rtol=1e-6)
-  # One forward and one backward function per cell, whatever M is.
-  assert len(pipe.ThreadedExecutor(5)._functions) == 3  # pylint: disable=protected-access
+  # A few functions per cell (forward, backward; the last cell's loss
+  # variants), whatever M is.
+  counts = [len(stage._functions) for stage in pipe.runtime.stages[0]]  # pylint: disable=protected-access
+  assert counts[:2] == [2, 2] and counts[2] <= 3, counts
 
 
 def test_recorded_times_inside_tf_function():
@@ -187,75 +181,9 @@ def test_recorded_times_inside_tf_function():
     return pipe.ComputeLossAndGradients(x, y, _Loss,
                                         record_times=True).action_times
   times = Step(x, y)
-  tl = timeline.FromActionTimes(pipe.ThreadedExecutor(3).schedule, times)
+  tl = timeline.FromActionTimes(pipe.Schedule(3), times)
   assert len(tl.start_times) == 12
   assert not timeline.DependencyViolations(tl, tolerance=1e-4)
-
-
-def test_error_serialize_device_ops_with_too_few_inter_op_threads():
-  if (tf.config.threading.get_inter_op_parallelism_threads() or
-      os.cpu_count()) >= threaded_executor.InterOpThreadsNeeded(8):
-    pytest.skip('This machine has enough inter-op threads.')
-  pipe = _Pipeline(_LayerParams(8), 8, 2, executor='threads',
-                   serialize_device_ops=True)
-  x, y = _Data()
-  with pytest.raises(ValueError, match=r'set_inter_op_parallelism_threads\(17\)'):
-    pipe.ComputeLossAndGradients(x, y, _Loss)
-
-
-def test_error_serialize_device_ops_with_replicas_names_the_variable(
-    monkeypatch):
-  monkeypatch.setattr(threaded_executor, 'InterOpThreadsNeeded', lambda n: 1)
-  cells = gpipe.PartitionSequentialLayers(_LayerParams(2), 2,
-                                          balance='params')
-  pipe = gpipe.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=cells, num_micro_batches=2, num_replicas=2,
-      devices=['/CPU:0', '/CPU:1', '/CPU:2', '/CPU:3'], executor='threads',
-      serialize_device_ops=True).Instantiate()
-  x, y = _Data()
-  with pytest.raises(ValueError, match=r'cell 0 \(cell0\) runs on /CPU:2 and '
-                     r'its variable .*fc0.* lives on .*CPU:0'):
-    pipe.ComputeLossAndGradients(x, y, _Loss)
-
-
-_SERIALIZED_PROBE = r'''
-import json, os, sys
-os.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'
-import tensorflow as tf
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(5)
-cpu = tf.config.list_physical_devices('CPU')[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-from tfpipe import gpipe, layers
-params = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dims=32,
-                                      output_dims=32, random_seed=i)
-          for i in range(4)]
-cells = gpipe.PartitionSequentialLayers(params, 2, balance='params')
-x = tf.random.stateless_normal([64, 32], seed=[1, 2])
-loss = lambda out, t: tf.reduce_mean(tf.square(out))
-losses = {}
-for executor, serialize in (('graph', False), ('threads', True)):
-  pipe = gpipe.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=cells, num_micro_batches=4, schedule='1f1b',
-      devices=['/CPU:0', '/CPU:1'], executor=executor,
-      serialize_device_ops=serialize).Instantiate()
-  out = [float(pipe.ComputeLossAndGradients(x, None, loss).loss)
-         for _ in range(30)]
-  losses[executor] = out
-print(json.dumps(losses))
-'''
-
-
-def test_serialized_device_ops_run_many_steps_without_starving():
-  """Regression: 2 inter-op threads for 2 serialized devices used to hang."""
-  proc = subprocess.run(
-      [sys.executable, '-c', _SERIALIZED_PROBE], capture_output=True,
-      text=True, timeout=240,
-      cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  losses = json.loads(proc.stdout.strip().splitlines()[-1])
-  np.testing.assert_allclose(losses['threads'], losses['graph'], rtol=1e-6)
 
 
 @pytest.mark.parametrize('executor', ['graph', 'threads'])
@@ -270,3 +198,40 @@ def test_loss_fn_runs_once_per_micro_batch(executor):
   x, y = _Data()
   pipe.ComputeLossAndGradients(x, y, CountingLoss)
   assert int(calls.numpy()) == 4
+
+
+def test_threads_isolate_the_forward_from_the_callers_tape():
+  """Eagerly under a tape, the forward runs where the tape cannot record it.
+
+  A recorded function call keeps all of its activations for the tape; the
+  pipeline runs its own backward instead.
+  """
+  pipe = _Pipeline(_LayerParams(4), 2, 2)
+  seen = []
+  isolated = pipe._Dispatcher(_Data()[0], isolate=True)  # pylint: disable=protected-access
+  assert isinstance(isolated, dispatch.Isolated)
+  program = dispatch.Program()
+  program.Add('lane', '/CPU:0', 'item')
+
+  class Recorder:
+    def Gather(self, item, store):
+      del item, store
+      seen.append(threading.current_thread().name)
+
+    def Execute(self, item, args, store):
+      del item, args, store
+      return []
+  isolated.Run(program, Recorder())
+  assert seen and seen[0] != threading.current_thread().name
+
+
+def test_mailbox_failure_wakes_every_waiting_thread():
+  pipe = _Pipeline(_LayerParams(4), 4, 2, executor='threads')
+  x, y = _Data()
+
+  def Failing(outputs, targets):
+    raise ValueError('loss exploded')
+  with pytest.raises(ValueError, match='loss exploded'):
+    pipe.ComputeLossAndGradients(x, y, Failing)
+  out = pipe.ComputeLossAndGradients(x, y, _Loss)
+  assert np.isfinite(out.loss)

@@ -1,0 +1,38 @@
+"""Per-device memory on separate allocators (benchmarks/device_memory.py).
+
+Each cell runs in its own single-device worker process with a BFC
+allocator, so each device's peak is its own, as on K GPUs. Equal cells must
+peak within 1.3x of each other, and the control (the trainer's update with
+tfpipe.placement switched off) must show worker 0, the default device,
+holding far more: otherwise the measurement could not see a misplacement.
+"""
+# bazel: tags=manual
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+
+@pytest.mark.skipif(not os.path.exists('/usr/bin/unshare'),
+                    reason='needs unshare (util-linux) for loopback servers')
+def test_equal_cells_have_equal_peaks_and_the_control_shows_worker_0(
+    tmp_path):
+  out = tmp_path / 'device_memory.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.device_memory', '--num_cells=4',
+       '--dim=512', '--batch=128', '--steps=1', f'--output_json={out}'],
+      cwd=_ROOT, capture_output=True, text=True, timeout=280, check=False)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  rows = {(r['executor'], r['update']): r
+          for r in json.loads(out.read_text())['rows']}
+  for executor in ('graph', 'threads'):
+    placed = rows[(executor, 'placed')]
+    assert placed['max_over_min'] <= 1.3, placed
+    control = rows[(executor, 'unplaced')]
+    assert control['worker0_over_rest'] >= 1.5, control

@@ -1,0 +1,281 @@
+"""The runtime: one interpreter for every entry point, with bounded memory.
+
+Peak memory is read from TensorFlow's BFC allocator, which must be chosen
+before TensorFlow starts, so each measurement runs in a fresh subprocess with
+TF_CPU_ALLOCATOR_USE_BFC=true. All logical CPU devices share one allocator,
+so the number is the whole pipeline's peak.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.gpipe import pipelining_layer_test as plt_test
+from tfpipe import layers
+from tfpipe.gpipe import runtime as runtime_lib
+from tfpipe.gpipe import schedule as schedule_lib
+
+_Pipeline = plt_test._Pipeline  # pylint: disable=protected-access
+_Data = plt_test._Data  # pylint: disable=protected-access
+_Loss = plt_test._Loss  # pylint: disable=protected-access
+_LayerParams = plt_test._LayerParams  # pylint: disable=protected-access
+_AssertAllClose = plt_test._AssertAllClose  # pylint: disable=protected-access
+
+_PROBE = textwrap.dedent('''
+    import json, os, sys
+    import tensorflow as tf
+    cpus = tf.config.list_physical_devices('CPU')
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration()] * 4)
+    from tfpipe import gpipe, layers
+    cfg = json.loads(sys.argv[1])
+    dim, depth = cfg['dim'], cfg['depth']
+    params = [layers.FCLayer.Params().Set(
+        name=f'fc{i}', input_dims=dim, output_dims=dim, activation='tanh',
+        random_seed=i) for i in range(depth)]
+    cells = gpipe.PartitionSequentialLayers(params, 4, balance='params')
+    pipe = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=cfg['m'],
+        devices=['/CPU:%d' % i for i in range(4)], schedule=cfg['schedule'],
+        remat_policy=cfg['remat'],
+        executor=cfg.get('executor', 'graph')).Instantiate()
+    x = tf.random.normal([cfg['batch'], dim])
+    loss_fn = lambda y, t: tf.reduce_mean(tf.square(y))
+
+    def TrainStep():
+      return pipe.ComputeLossAndGradients(x, None, loss_fn).loss
+
+    def TapeStep():
+      with tf.GradientTape() as tape:
+        loss = loss_fn(pipe(x, training=True), None)
+      grads = tape.gradient(loss, pipe.trainable_variables)
+      return loss
+    step = TapeStep if cfg.get('entry') == 'tape' else TrainStep
+    if cfg.get('traced'):
+      step = tf.function(step)
+    float(step())
+    tf.config.experimental.reset_memory_stats('CPU:0')
+    base = tf.config.experimental.get_memory_info('CPU:0')['current']
+    float(step())
+    peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
+    print('RESULT' + json.dumps({'peak': peak - base}))
+''')
+
+
+def _PeakBytes(**cfg):
+  env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true',
+             TF_CPP_MIN_LOG_LEVEL='2', TF_NUM_INTEROP_THREADS='1',
+             TF_NUM_INTRAOP_THREADS='1')
+  proc = subprocess.run([sys.executable, '-c', _PROBE, json.dumps(cfg)],
+                        env=env, capture_output=True, text=True, timeout=240,
+                        check=False)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT')]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  return json.loads(lines[-1][len('RESULT'):])['peak']
+
+
+def test_remat_lowers_peak_memory_on_a_deep_model():
+  common = dict(dim=256, depth=32, batch=512, m=4, schedule='gpipe')
+  no_remat = _PeakBytes(remat='never', **common)
+  remat = _PeakBytes(remat='always', **common)
+  # Without remat every layer's activations live until backward; with it only
+  # the 4 cell boundaries do (plus one cell being recomputed).
+  assert remat < 0.6 * no_remat, (remat, no_remat)
+
+
+def test_1f1b_and_zb_h1_peak_memory_below_gpipe_at_16_micro_batches():
+  common = dict(dim=256, depth=16, batch=1024, m=16, remat='never')
+  gpipe_peak = _PeakBytes(schedule='gpipe', **common)
+  one_f_one_b_peak = _PeakBytes(schedule='1f1b', **common)
+  assert one_f_one_b_peak < 0.8 * gpipe_peak, (one_f_one_b_peak, gpipe_peak)
+  # ZB-H1 frees a micro-batch's activations at its W. It holds K micro-
+  # batches on every device where 1F1B holds K-k, and the devices share one
+  # allocator here, so its total is up to sum(K) / sum(K-k) = 1.6x 1F1B's.
+  zero_bubble_peak = _PeakBytes(schedule='zb_h1', **common)
+  in_flight = [sum(schedule_lib.MaxInFlight(schedule_lib.MakeSchedule(
+      name, 4, 16))) for name in ('zb_h1', '1f1b')]
+  assert in_flight == [16, 10]
+  assert zero_bubble_peak < 0.6 * gpipe_peak, (zero_bubble_peak, gpipe_peak)
+  assert zero_bubble_peak <= 1.2 * (16 / 10) * one_f_one_b_peak, (
+      zero_bubble_peak, one_f_one_b_peak)
+
+
+@pytest.mark.parametrize('traced,executor', [(True, 'graph'),
+                                             (False, 'threads')])
+def test_tape_path_memory_does_not_grow_with_micro_batches(traced, executor):
+  """pipe(x) under a GradientTape: one gradient buffer, not one per micro-batch.
+
+  Before the runtime ran the tape's backward itself, TensorFlow kept one
+  weight gradient per micro-batch alive until it summed them: 458 MiB at
+  M=16 against 38 MiB at M=1 for this model.
+  """
+  common = dict(dim=1024, depth=8, batch=256, remat='always',
+                schedule='gpipe', entry='tape', traced=traced,
+                executor=executor)
+  one = _PeakBytes(m=1, **common)
+  sixteen = _PeakBytes(m=16, **common)
+  assert sixteen <= 1.3 * one, (sixteen / 2**20, one / 2**20)
+
+
+def test_rejects_unknown_remat_policy_by_name():
+  with pytest.raises(ValueError, match="remat_policy='sometimes'"):
+    runtime_lib.CheckRematPolicy('sometimes')
+
+
+def test_uses_remat_policy_per_micro_batch():
+  pipe = _Pipeline(_LayerParams(2), 2, 3, remat_policy='except_last')
+  runtime = pipe.runtime
+  assert [runtime.UsesRemat(m, 3, True) for m in range(3)] == [
+      True, True, False]
+  assert not runtime.UsesRemat(0, 3, False)
+
+
+@pytest.mark.parametrize('executor', ['graph', 'threads'])
+@pytest.mark.parametrize('remat', ['never', 'except_last'])
+def test_every_remat_policy_with_every_executor(executor, remat):
+  layer_params = _LayerParams()
+  x, y = _Data()
+  ref_loss, ref_grads = plt_test._Reference(layer_params, x, y)  # pylint: disable=protected-access
+  pipe = _Pipeline(layer_params, 4, 3, remat_policy=remat, executor=executor,
+                   schedule='1f1b')
+  out = pipe.ComputeLossAndGradients(x, y, _Loss)
+  np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+  _AssertAllClose(out.gradients, ref_grads)
+  with tf.GradientTape() as tape:
+    loss = _Loss(pipe(x, training=True), y)
+  _AssertAllClose(tape.gradient(loss, pipe.trainable_variables), ref_grads)
+
+
+@pytest.mark.parametrize('executor', ['graph', 'threads'])
+def test_split_backward_keeps_dropout_masks_and_batch_norm_statistics(
+    executor):
+  """ZB-H1's F, B and W see the seeds and statistics GPipe's actions see."""
+  layer_params = (plt_test._LayerParams(4, keep_prob=0.5) +  # pylint: disable=protected-access
+                  plt_test._BatchNormParams())  # pylint: disable=protected-access
+  x, y = _Data()
+  x = x * 3.0 + 1.0
+  results = {}
+  for schedule in ('gpipe', 'zb_h1'):
+    pipe = _Pipeline(layer_params, 2, 4, schedule=schedule, executor=executor,
+                     remat_policy='except_last')
+    out = pipe.ComputeLossAndGradients(x, y, _Loss, step=5)
+    moving = [v.numpy() for v in pipe.non_trainable_variables
+              if 'moving' in v.path]
+    results[schedule] = (out, moving)
+  (ref, ref_moving), (out, moving) = results['gpipe'], results['zb_h1']
+  np.testing.assert_allclose(out.loss, ref.loss, rtol=1e-6)
+  _AssertAllClose(out.gradients, ref.gradients)
+  assert len(moving) == 4
+  _AssertAllClose(moving, ref_moving)
+
+
+def test_tape_path_gives_the_input_gradient_too():
+  """A pipeline inside a bigger model: the gradient flows through it."""
+  layer_params = _LayerParams(4)
+  x, y = _Data()
+  plain = layers.SequentialLayer.Params().Set(
+      name='plain', sub=layer_params).Instantiate()
+  pipe = _Pipeline(layer_params, 2, 3)
+  scale = tf.Variable(1.5)
+
+  def Gradients(model):
+    with tf.GradientTape() as tape:
+      loss = _Loss(model(x * scale, training=True), y)
+    return tape.gradient(loss, [scale] + model.trainable_variables)
+  _AssertAllClose(Gradients(pipe), Gradients(plain))
+  _AssertAllClose(tf.function(lambda: Gradients(pipe))(), Gradients(plain))
+
+
+def test_tape_path_with_integer_inputs_and_unused_outputs():
+  layer_params = [plt_test._DictLayer.Params().Set(name=f'd{i}')  # pylint: disable=protected-access
+                  for i in range(4)]
+  x, y = _Data()
+  inputs = {'h': x, 'mask': tf.constant([i % 3 != 0 for i in range(
+      plt_test.BATCH)], tf.int32)}
+  plain = layers.SequentialLayer.Params().Set(
+      name='plain', sub=layer_params).Instantiate()
+  pipe = _Pipeline(layer_params, 4, 3)
+
+  def Gradients(model):
+    with tf.GradientTape() as tape:
+      loss = _Loss(model(inputs, training=True)['h'], y)
+    return tape.gradient(loss, model.trainable_variables)
+  _AssertAllClose(Gradients(pipe), Gradients(plain))
+
+
+def _PaddedLm(vocab=11, dim=8):
+  return [
+      layers.EmbeddingLayer.Params().Set(name='emb', vocab_size=vocab,
+                                         embedding_dim=dim, random_seed=1),
+      layers.FCLayer.Params().Set(name='fc0', input_dims=dim, output_dims=dim,
+                                  activation='tanh', random_seed=2),
+      layers.FCLayer.Params().Set(name='fc1', input_dims=dim, output_dims=dim,
+                                  activation='tanh', random_seed=3),
+      layers.FCLayer.Params().Set(name='logits', input_dims=dim,
+                                  output_dims=vocab, activation='none',
+                                  random_seed=4),
+  ]
+
+
+def _TokenSums(logits, targets):
+  """Sum of per-token cross-entropy over unpadded tokens, and their count."""
+  ids, weights = targets
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=ids,
+                                                        logits=logits)
+  correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32),
+                             ids), tf.float32)
+  return (tf.reduce_sum(xent * weights), tf.reduce_sum(weights),
+          {'accuracy': tf.reduce_sum(correct * weights)})
+
+
+@pytest.mark.parametrize('schedule,executor', [('gpipe', 'graph'),
+                                               ('1f1b', 'threads')])
+def test_token_weighted_loss_equals_the_full_batch_sum_over_weight(
+    schedule, executor):
+  """Padding differs per micro-batch, so example-count weights would be wrong."""
+  batch, length = 9, 6
+  ids = tf.random.stateless_uniform([batch, length], [5, 6], maxval=11,
+                                    dtype=tf.int32)
+  # Example i has 1 + (i * 2) % length real tokens: uneven across M=4.
+  lengths = tf.constant([1 + (i * 2) % length for i in range(batch)])
+  weights = tf.cast(tf.sequence_mask(lengths, length), tf.float32)
+  layer_params = _PaddedLm()
+  plain = layers.SequentialLayer.Params().Set(
+      name='plain', sub=layer_params).Instantiate()
+  with tf.GradientTape() as tape:
+    loss_sum, weight, metrics = _TokenSums(plain(ids), (ids, weights))
+    ref_loss = loss_sum / weight
+  ref_grads = [tf.convert_to_tensor(g) for g in tape.gradient(
+      ref_loss, plain.trainable_variables)]  # The embedding's are sparse.
+  pipe = _Pipeline(layer_params, 2, 4, schedule=schedule, executor=executor)
+  out = pipe.ComputeLossAndGradients(ids, (ids, weights), _TokenSums)
+  np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(out.metrics['accuracy'],
+                             metrics['accuracy'] / weight, rtol=1e-5)
+  _AssertAllClose(out.gradients, ref_grads)
+  # Weighting by examples instead (a mean per micro-batch) is not the same.
+  mean_loss = lambda logits, t: _TokenSums(logits, t)[0] / _TokenSums(
+      logits, t)[1]
+  wrong = _Pipeline(layer_params, 2, 4).ComputeLossAndGradients(
+      ids, (ids, weights), mean_loss)
+  assert abs(float(wrong.loss) - float(ref_loss)) > 1e-3
+
+
+def test_mixing_sum_and_mean_losses_is_refused():
+  pipe = _Pipeline(_LayerParams(2), 1, 2, compile_step=False)
+  x, y = _Data()
+  calls = []
+
+  def Mixed(outputs, targets):
+    calls.append(1)
+    if len(calls) == 1:
+      return _Loss(outputs, targets)
+    return tf.reduce_sum(tf.square(outputs - targets)), 3.0
+  with pytest.raises(ValueError, match='one kind'):
+    pipe.ComputeLossAndGradients(x, y, Mixed)

@@ -1,0 +1,103 @@
+"""Tests of tfpipe.trainer.device_memory: per-device peak memory in the log.
+
+Protected properties: with the BFC allocator (TF_CPU_ALLOCATOR_USE_BFC=true
+before TensorFlow starts) a CPU training run prints one shared
+`peak_mem[CPU]=` entry in every progress line and writes
+`memory/peak_bytes/CPU` to TensorBoard, both non-zero and equal; without it
+(the default CPU allocator counts nothing) the line has no entry; remote
+devices are never queried; the peak is reset every interval.
+"""
+# bazel: deps=//params,//tfpipe/trainer:__main__
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import tensorflow as tf
+
+from tfpipe.trainer import device_memory
+
+
+def test_cpu_is_reported_once_and_only_with_bfc(monkeypatch):
+  cpus = [f'/CPU:{i}' for i in range(4)]
+  monkeypatch.delenv(device_memory.BFC_ENV, raising=False)
+  assert device_memory.MemoryDevices(cpus) == []
+  monkeypatch.setenv(device_memory.BFC_ENV, 'true')
+  assert device_memory.MemoryDevices(cpus) == [('CPU', 'CPU:0')]
+  remote = ['/job:worker/replica:0/task:0/device:CPU:0']
+  assert device_memory.MemoryDevices(remote) == []
+  assert device_memory.PeakMemory([]).PeaksAndReset() == {}
+
+
+def test_peaks_are_formatted_per_device():
+  peaks = {'GPU:0': 3 * 2**30 // 2, 'GPU:1': 5 * 2**20, 'CPU': 2048}
+  assert device_memory.FormatPeaks(peaks) == (
+      'peak_mem[GPU:0]=1.50GiB peak_mem[GPU:1]=5.0MiB peak_mem[CPU]=2.0KiB')
+  assert device_memory.SummaryScalars(peaks) == {
+      'memory/peak_bytes/GPU_0': float(3 * 2**30 // 2),
+      'memory/peak_bytes/GPU_1': float(5 * 2**20),
+      'memory/peak_bytes/CPU': 2048.0}
+  assert device_memory.FormatPeaks({}) == ''
+
+
+_RESET_SCRIPT = """
+import tensorflow as tf
+from tfpipe.trainer import device_memory
+memory = device_memory.PeakMemory(['/CPU:0', '/CPU:1'])
+big = tf.ones([8 * 2**20 // 4]) * 2.0
+del big
+first = memory.PeaksAndReset()['CPU']
+small = tf.ones([2**20 // 4]) * 2.0
+second = memory.PeaksAndReset()['CPU']
+print(first, second)
+"""
+
+
+def test_peak_resets_each_interval():
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+  env[device_memory.BFC_ENV] = 'true'
+  out = subprocess.run([sys.executable, '-c', _RESET_SCRIPT],
+                       capture_output=True, text=True, timeout=120, env=env,
+                       check=False)
+  assert out.returncode == 0, out.stderr
+  first, second = map(int, out.stdout.split())
+  assert first >= 16 * 2**20  # Two live 8 MiB tensors (ones and the product).
+  assert 2**20 <= second < 8 * 2**20
+
+
+def _TrainWithBfc(logdir):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+  env[device_memory.BFC_ENV] = 'true'
+  out = subprocess.run(
+      [sys.executable, '-m', 'tfpipe.trainer', f'--logdir={logdir}',
+       '--model=mlp.TinyMlp', '--max_steps=2', '--log_interval_steps=1',
+       '--run_locally=cpu', '--model_params_override=task.eval.num_batches: 1'],
+      capture_output=True, text=True, timeout=180, env=env, check=False)
+  assert out.returncode == 0, out.stdout + out.stderr
+  return out.stdout
+
+
+def test_bfc_cpu_run_reports_its_peak_in_lines_and_tensorboard(tmp_path):
+  lines = [l for l in _TrainWithBfc(tmp_path).splitlines()
+           if l.startswith('step ')]
+  assert len(lines) == 2
+  printed = {}
+  for line in lines:
+    m = re.search(r' peak_mem\[CPU\]=(\d+\.\d)(KiB|MiB)$', line)
+    assert m, line
+    assert 'peak_mem[CPU:' not in line  # One shared allocator, one entry.
+    printed[int(line.split()[1].split('/')[0])] = (
+        float(m.group(1)) * (2**10 if m.group(2) == 'KiB' else 2**20))
+  written = {}
+  for path in glob.glob(str(tmp_path / 'train' / 'events.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.tag == 'memory/peak_bytes/CPU':
+          written[event.step] = float(tf.make_ndarray(value.tensor))
+  assert sorted(written) == [1, 2]
+  for step, value in written.items():
+    assert value > 0
+    # The line rounds to 0.1 of its unit.
+    assert abs(printed[step] - value) <= 0.05 * 2**20, (step, value)

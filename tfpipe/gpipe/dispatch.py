@@ -1,0 +1,294 @@
+"""Dispatchers: how a step's actions are issued to the devices.
+
+The runtime (runtime.py) says what each action does; a dispatcher only
+decides from where and in which order actions are issued, through one small
+protocol: `step.Gather(item, store)` waits for an action's inputs and
+`step.Execute(item, args, store)` runs it, returning tokens that exist once it
+is done. There are two dispatchers:
+
+  Inline   every action from the calling thread, in one global order that
+           respects each device's order (schedule.Validate returns it). In a
+           graph, each action gets a control dependency on its device's
+           previous action, so the runtime keeps each device's order (which
+           is what bounds 1F1B's memory) while different devices can still
+           run at the same time. This is the dispatcher for accelerators,
+           whose runtimes overlap independent work of one graph, and the only
+           one inside a tf.function.
+  Threads  one Python thread per device (per lane: a replica's device),
+           issuing that device's actions in order and handing activations
+           and gradients to its neighbours through a mailbox. TensorFlow 2.21
+           runs the ops of one graph on different CPU devices (and gRPC
+           workers) one after another; separate calls from separate threads
+           do run at the same time, because a function call releases the GIL.
+
+Timing (`record_times`) wraps Execute, so it is the same for every action
+and absent when not asked for: in a graph, `tf.timestamp` ops ordered after
+the action's inputs and before its device's next action; eagerly, host time
+after the inputs arrive and after the action's outputs exist (the outputs are
+read back, which waits for a GPU's kernels to finish).
+"""
+
+import concurrent.futures
+import contextlib
+import threading
+import time
+
+import tensorflow as tf
+
+
+def OrderAfter(previous):
+  """Control dependency on the previous action of a device (graph mode only)."""
+  if not previous or tf.executing_eagerly():
+    return contextlib.nullcontext()
+  deps = [t.values if isinstance(t, tf.IndexedSlices) else t
+          for t in previous if t is not None and not isinstance(t, tf.Variable)]
+  return tf.control_dependencies(deps) if deps else contextlib.nullcontext()
+
+
+def Timestamp(after, device):
+  """A tf.timestamp() that runs after `after` on `device`."""
+  with tf.device(device), OrderAfter(after):
+    return tf.timestamp()
+
+
+def _Tensors(structure):
+  return [t for t in tf.nest.flatten(structure)
+          if isinstance(t, (tf.Tensor, tf.Operation))]
+
+
+def _WaitFor(tokens):
+  """Blocks until an eager action's outputs exist (kernels done on a GPU)."""
+  for t in tokens:
+    if isinstance(t, tf.Tensor):
+      tf.reshape(t, [-1])[:1].numpy()
+      return
+
+
+class Program:
+  """A step's actions: per lane (device) an ordered list, and one global order.
+
+  Attributes:
+    lanes: {lane key: (device name, [item, ...])}, each lane's order.
+    order: [(lane key, item)]: all items in an order that respects every
+      lane's order and every dependency (a valid single-thread order).
+  """
+
+  def __init__(self):
+    self.lanes = {}
+    self.order = []
+
+  def Add(self, lane, device, item):
+    self.lanes.setdefault(lane, (device, []))[1].append(item)
+    self.order.append((lane, item))
+
+
+class _DictStore:
+  """Values handed between actions issued from one thread, in a valid order."""
+
+  def __init__(self):
+    self._items = {}
+
+  def Put(self, key, value):
+    self._items[key] = value
+
+  def Take(self, key):
+    return self._items.pop(key)
+
+
+class _Aborted(Exception):
+  """Raised in a device thread when another thread has failed."""
+
+
+class _Mailbox:
+  """Hands values between device threads; a failure wakes every waiter."""
+
+  def __init__(self):
+    self._condition = threading.Condition()
+    self._items = {}
+    self._failed = False
+
+  def Put(self, key, value):
+    with self._condition:
+      self._items[key] = value
+      self._condition.notify_all()
+
+  def Take(self, key):
+    with self._condition:
+      while key not in self._items:
+        if self._failed:
+          raise _Aborted()
+        self._condition.wait()
+      return self._items.pop(key)
+
+  def Fail(self):
+    with self._condition:
+      self._failed = True
+      self._condition.notify_all()
+
+
+class _HeldStore:
+  """Holds an action's outputs until its end time is taken.
+
+  Otherwise a neighbour's thread could start on them, and so appear to start
+  before the action it depends on ended.
+  """
+
+  def __init__(self, store):
+    self._store = store
+    self._held = []
+
+  def Put(self, key, value):
+    self._held.append((key, value))
+
+  def Take(self, key):
+    return self._store.Take(key)
+
+  def Release(self):
+    for key, value in self._held:
+      self._store.Put(key, value)
+
+
+class _Timer:
+  """Records each item's (start, end): tf.timestamp in a graph, else host time."""
+
+  def __init__(self):
+    self.times = {}
+    self._lock = threading.Lock()
+
+  def Run(self, item, device, args, previous, store, run):
+    """Runs `run(store)` and times it; returns its done tokens."""
+    if not tf.executing_eagerly():
+      start = Timestamp(list(previous or []) + _Tensors(args), device)
+      with tf.control_dependencies([start]):
+        done = run(store)
+      end = Timestamp(list(done) + [start], device)
+      self.times[item] = (start, end)
+      return [end]
+    held = _HeldStore(store)
+    start = time.time()
+    done = run(held)
+    _WaitFor(done)
+    end = time.time()
+    with self._lock:
+      self.times[item] = (start, end)
+    held.Release()
+    return done
+
+
+class Inline:
+  """Issues every action from the calling thread, in the global order."""
+
+  name = 'inline'
+
+  def __init__(self):
+    self.last_tokens = []
+
+  def Run(self, program, step, record_times=False):
+    """Runs the program; returns {item: (start, end)} if record_times."""
+    store = _DictStore()
+    timer = _Timer() if record_times else None
+    last = {}
+    for lane, item in program.order:
+      device = program.lanes[lane][0]
+      with tf.device(device), OrderAfter(last.get(lane)):
+        args = step.Gather(item, store)
+        if timer is None:
+          done = step.Execute(item, args, store)
+        else:
+          done = timer.Run(item, device, args, last.get(lane), store,
+                           lambda st: step.Execute(item, args, st))  # pylint: disable=cell-var-from-loop
+      last[lane] = list(done)
+    self.last_tokens = [t for tokens in last.values() for t in tokens]
+    return timer.times if timer else None
+
+
+class Threads:
+  """Issues each lane's actions from its own thread; waits for all of them."""
+
+  name = 'threads'
+
+  def __init__(self, name='pipe', thread_initializer=None):
+    """Creates the dispatcher.
+
+    Args:
+      name: prefix of the device threads' names.
+      thread_initializer: called once in each new device thread (e.g. to
+        choose TensorFlow's executor for its function calls).
+    """
+    self._name = name
+    self._initializer = thread_initializer
+    self._pools = {}
+    self.last_tokens = []
+
+  def _Pool(self, num_lanes):
+    # Lanes wait on each other, so every lane needs its own thread.
+    if num_lanes not in self._pools:
+      self._pools[num_lanes] = concurrent.futures.ThreadPoolExecutor(
+          max_workers=num_lanes, thread_name_prefix=f'{self._name}-device',
+          initializer=self._initializer)
+    return self._pools[num_lanes]
+
+  def Run(self, program, step, record_times=False):
+    if not tf.executing_eagerly():
+      raise RuntimeError('Threads dispatch runs eagerly; inside a '
+                         'tf.function use Inline.')
+    store = _Mailbox()
+    timer = _Timer() if record_times else None
+
+    def RunLane(device, items):
+      try:
+        for item in items:
+          with tf.device(device):
+            args = step.Gather(item, store)
+            if timer is None:
+              step.Execute(item, args, store)
+            else:
+              timer.Run(item, device, args, None, store,
+                        lambda st: step.Execute(item, args, st))  # pylint: disable=cell-var-from-loop
+      except BaseException:
+        store.Fail()
+        raise
+
+    pool = self._Pool(len(program.lanes))
+    futures = [pool.submit(RunLane, device, items)
+               for device, items in program.lanes.values()]
+    errors = []
+    for future in futures:
+      try:
+        future.result()
+      except _Aborted:
+        pass
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)
+    if errors:
+      raise errors[0]
+    return timer.times if timer else None
+
+
+class Isolated:
+  """Runs another dispatcher's eager steps from a helper thread.
+
+  Why: GradientTapes record per thread. Under the caller's tape, an eager
+  forward issued from the caller's thread would be recorded, and a recorded
+  function call keeps every activation of the call for the tape's
+  backward; the pipeline runs its own backward instead (the tape path), so
+  its eager forward must not be seen. In a graph there is nothing to hide:
+  recording keeps no tensors alive, so the inner dispatcher runs in place.
+  """
+
+  name = 'isolated'
+
+  def __init__(self, inner, name='pipe'):
+    self._inner = inner
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=f'{name}-forward')
+    self.last_tokens = []
+
+  def Run(self, program, step, record_times=False):
+    if not tf.executing_eagerly():
+      times = self._inner.Run(program, step, record_times)
+    else:
+      times = self._pool.submit(self._inner.Run, program, step,
+                                record_times).result()
+    self.last_tokens = list(getattr(self._inner, 'last_tokens', []))
+    return times
