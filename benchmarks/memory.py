@@ -32,6 +32,12 @@ ratio column uses this one, the honest total-over-devices prediction).
 
     python -m benchmarks.memory --output_json=/tmp/memory.json
 
+A second table (CPU) measures the GradientTape path, `pipe(x)` under a tape
+(Lingvo's idiom), against the train-step entry for the same pipeline
+(remat GPipe). The tape's backward runs the schedule's B actions into one
+gradient buffer per cell, so its peak should not grow with M (issue 11's
+target: at most 1.3x from M=1 to M=16).
+
 On a GPU (--device=auto picks it when one is visible), the K cells run on K
 logical GPUs, each with its own allocator and a hard limit, so the peaks are
 PER DEVICE (get_memory_info('GPU:k') for each k, reset between
@@ -108,6 +114,62 @@ def _Configs():
           ('never', 'zb_h1', 'graph')]
 
 
+def _PipeSteps(layer_params, k, devices, shape, x):
+  """Each measured configuration: (remat, schedule, executor, M, pipe, its
+  train step)."""
+  for remat, sched, executor in _Configs():
+    for m in [int(v) for v in FLAGS.micro_batches]:
+      pipe = bench_lib.MakePipe(layer_params, k, m, devices, remat, sched,
+                                input_shape=shape, executor=executor)
+      def step(pipe=pipe):
+        return pipe.ComputeLossAndGradients(x, None, bench_lib.Loss)
+      yield remat, sched, executor, m, pipe, step
+      # The caller has dropped its references: free this pipe before the
+      # next is built, so each measurement starts from the same memory.
+      del pipe, step
+      gc.collect()
+
+
+def _TapeSteps(layer_params, k, devices, shape, x):
+  """(M, pipe, tape step, train step) for remat GPipe at each M."""
+  for m in [int(v) for v in FLAGS.micro_batches]:
+    pipe = bench_lib.MakePipe(layer_params, k, m, devices, 'always', 'gpipe',
+                              input_shape=shape)
+
+    @tf.function
+    def TapeStep(pipe=pipe):
+      with tf.GradientTape() as tape:
+        loss = bench_lib.Loss(pipe(x, training=True))
+      return loss, tape.gradient(loss, pipe.trainable_variables)
+
+    def TrainStep(pipe=pipe):
+      return pipe.ComputeLossAndGradients(x, None, bench_lib.Loss)
+    yield m, pipe, TapeStep, TrainStep
+    del pipe, TapeStep, TrainStep
+    gc.collect()
+
+
+def _TapePathTable(layer_params, k, devices, shape, x):
+  """Peak of the tape path and of the train-step entry at each M."""
+  rows, results, first = [], [], None
+  for m, pipe, tape_step, train_step in _TapeSteps(layer_params, k, devices,
+                                                   shape, x):
+    tape_peak = _MeasureStep(tape_step)
+    train_peak = _MeasureStep(train_step)
+    first = first or tape_peak
+    rows.append([m, tape_peak / _MIB, train_peak / _MIB, tape_peak / first])
+    results.append({'num_micro_batches': m, 'tape_peak_bytes': tape_peak,
+                    'train_step_peak_bytes': train_peak})
+    del pipe, tape_step, train_step
+  print(f'\nGradientTape path, K={k}, remat GPipe: pipe(x) under a tape '
+        'against ComputeLossAndGradients (target: tape peak at the largest M '
+        'at most 1.3x its peak at the smallest)')
+  print(bench_lib.FormatTable(
+      ['M', 'tape path MiB', 'train step MiB', 'tape / tape at first M'],
+      rows))
+  return results
+
+
 def _ConfigName(k, remat, sched, executor):
   return f'pipe K={k} {sched} remat={remat}' + (
       ' threads' if executor == 'threads' else '')
@@ -169,34 +231,29 @@ def PerDeviceMain(devices, device_type='GPU'):
   print(f'plain Keras step on {names[0]}: {keras_peak / _MIB:.1f} MiB; W = '
         f'{w / _MIB:.2f} MiB; c = {c / 1024:.1f} KiB per layer per example')
   rows, results = [], []
-  for remat, sched, executor in _Configs():
-    for m in [int(v) for v in FLAGS.micro_batches]:
-      pipe = bench_lib.MakePipe(layer_params, k, m, devices, remat, sched,
-                                input_shape=shape, executor=executor)
-      def step(pipe=pipe):
-        return pipe.ComputeLossAndGradients(x, None, bench_lib.Loss)
-      peaks = _MeasurePerDevice(step, names)
-      cell_w = [4.0 * sum(int(tf.size(v)) for v in cell.trainable_variables)
-                for cell in pipe.cells]
-      predicted = PredictPerDevice(
-          remat, schedule_lib.MaxInFlight(pipe.Schedule(m)), cell_w, l, n,
-          m, b, c)
-      values = [peaks[name] for name in names]
-      worst = max(range(k), key=lambda i: values[i])
-      spread = max(values) / max(min(values), 1.0)
-      name = _ConfigName(k, remat, sched, executor)
-      print(f'  {name} M={m}: per device '
-            f'{", ".join(f"{v / _MIB:.1f}" for v in values)} MiB')
-      rows.append([name, m, values[worst] / _MIB, min(values) / _MIB, spread,
-                   predicted[worst] / _MIB, values[worst] / predicted[worst]])
-      results.append({'config': name, 'remat': remat, 'schedule': sched,
-                      'executor': executor, 'num_micro_batches': m,
-                      'peak_bytes_per_device': dict(zip(names, values)),
-                      'predicted_bytes_per_device': dict(zip(names,
-                                                             predicted)),
-                      'max_over_min': spread})
-      del pipe, step
-      gc.collect()
+  for remat, sched, executor, m, pipe, step in _PipeSteps(
+      layer_params, k, devices, shape, x):
+    peaks = _MeasurePerDevice(step, names)
+    cell_w = [4.0 * sum(int(tf.size(v)) for v in cell.trainable_variables)
+              for cell in pipe.cells]
+    predicted = PredictPerDevice(
+        remat, schedule_lib.MaxInFlight(pipe.Schedule(m)), cell_w, l, n,
+        m, b, c)
+    values = [peaks[name] for name in names]
+    worst = max(range(k), key=lambda i: values[i])
+    spread = max(values) / max(min(values), 1.0)
+    name = _ConfigName(k, remat, sched, executor)
+    print(f'  {name} M={m}: per device '
+          f'{", ".join(f"{v / _MIB:.1f}" for v in values)} MiB')
+    rows.append([name, m, values[worst] / _MIB, min(values) / _MIB, spread,
+                 predicted[worst] / _MIB, values[worst] / predicted[worst]])
+    results.append({'config': name, 'remat': remat, 'schedule': sched,
+                    'executor': executor, 'num_micro_batches': m,
+                    'peak_bytes_per_device': dict(zip(names, values)),
+                    'predicted_bytes_per_device': dict(zip(names,
+                                                           predicted)),
+                    'max_over_min': spread})
+    del pipe, step
   print(f'\nTransformer L={l}, N={n}, T={FLAGS.seq}, D={FLAGS.dim}, K={k} on '
         f'{bench_lib.DeviceLabel(device_type, k)}; peak = bytes one step '
         'adds on each device (its own allocator)')
@@ -237,31 +294,26 @@ def main(argv):
            (w + l * n * c) / _MIB, (w + l * n * c) / _MIB, 1.0]]
   results = [{'config': 'keras', 'peak_bytes': keras_peak,
               'predicted_bytes': w + l * n * c}]
-  for remat, sched, executor in _Configs():
-    for m in [int(v) for v in FLAGS.micro_batches]:
-      pipe = bench_lib.MakePipe(layer_params, k, m, devices, remat, sched,
-                                input_shape=shape, executor=executor)
-      def step(pipe=pipe):
-        return pipe.ComputeLossAndGradients(x, None, bench_lib.Loss)
-      peak = _MeasureStep(step)
-      inflight = schedule_lib.MaxInFlight(pipe.Schedule(m))
-      if remat == 'never':
-        predicted = low = w + sum(inflight) * (l / k) * (n / m) * c
-      else:
-        low = w + sum(inflight) * (n / m) * b + (l / k) * (n / m) * c
-        predicted = low + (min(k, m) - 1) * (l / k) * (n / m) * c
-      name = _ConfigName(k, remat, sched, executor)
-      print(f'  {name} M={m}: {peak / _MIB:.1f} MiB (predicted '
-            f'{low / _MIB:.1f} .. {predicted / _MIB:.1f})')
-      rows.append([name, m, peak / _MIB, low / _MIB, predicted / _MIB,
-                   peak / predicted])
-      results.append({'config': name, 'remat': remat, 'schedule': sched,
-                      'executor': executor,
-                      'num_micro_batches': m, 'peak_bytes': peak,
-                      'predicted_bytes_one_cell': low,
-                      'predicted_bytes': predicted})
-      del pipe, step
-      gc.collect()
+  for remat, sched, executor, m, pipe, step in _PipeSteps(
+      layer_params, k, devices, shape, x):
+    peak = _MeasureStep(step)
+    inflight = schedule_lib.MaxInFlight(pipe.Schedule(m))
+    if remat == 'never':
+      predicted = low = w + sum(inflight) * (l / k) * (n / m) * c
+    else:
+      low = w + sum(inflight) * (n / m) * b + (l / k) * (n / m) * c
+      predicted = low + (min(k, m) - 1) * (l / k) * (n / m) * c
+    name = _ConfigName(k, remat, sched, executor)
+    print(f'  {name} M={m}: {peak / _MIB:.1f} MiB (predicted '
+          f'{low / _MIB:.1f} .. {predicted / _MIB:.1f})')
+    rows.append([name, m, peak / _MIB, low / _MIB, predicted / _MIB,
+                 peak / predicted])
+    results.append({'config': name, 'remat': remat, 'schedule': sched,
+                    'executor': executor,
+                    'num_micro_batches': m, 'peak_bytes': peak,
+                    'predicted_bytes_one_cell': low,
+                    'predicted_bytes': predicted})
+    del pipe, step
   rows[0][5] = keras_peak / (w + l * n * c)
   print(f'\nTransformer L={l}, N={n}, T={FLAGS.seq}, D={FLAGS.dim}, K={k}; '
         'peak = bytes one step adds (all logical devices share one BFC '
@@ -270,10 +322,11 @@ def main(argv):
       ['configuration', 'M', 'peak MiB', 'pred. A=1 MiB',
        'pred. A=min(K,M) MiB', 'measured/pred.'],
       rows))
+  tape_results = _TapePathTable(layer_params, k, devices, shape, x)
   bench_lib.WriteJson(FLAGS.output_json, {
       'benchmark': 'memory', 'flags': FLAGS.flag_values_dict(),
       'W_bytes': w, 'b_bytes_per_example': b, 'c_bytes_per_layer_example': c,
-      'results': results})
+      'results': results, 'tape_path': tape_results})
 
 
 if __name__ == '__main__':

@@ -30,21 +30,19 @@ torchgpipe's benchmark README, which use the same (L, D):
     (18, 512)   481,268,200     557M (AmoebaNet-B, see params/image.py)
 """
 
-import models
-from models import mlp
+from models import conv_classifier
 from tfpipe.layers import amoeba
 
 
-class AmoebaNetD(models.BaseModel):
+class AmoebaNetD(conv_classifier.ImageClassifier):
   """AmoebaNet-D(L, D) over NHWC float images; targets are int class ids."""
 
   @classmethod
   def Params(cls):
     p = super().Params()
     p.name = 'amoebanet'
-    p.Define('image_size', 224, 'Height and width of the input images.')
-    p.Define('channels', 3, 'Number of channels of the input images.')
-    p.Define('num_classes', 1000, 'Number of output classes.')
+    p.image_size = 224
+    p.num_classes = 1000
     p.Define('num_layers', 18, 'L: number of normal cells, a multiple of 3 '
              '(L/3 before, between and after the two reduction cells).')
     p.Define('num_filters', 256, 'D: filters of each node of the first normal '
@@ -106,11 +104,3 @@ class AmoebaNetD(models.BaseModel):
         name='head', in_channels=state['prev'], num_classes=p.num_classes,
         dropout_prob=p.dropout_prob))
     return result
-
-  def InputShape(self):
-    p = self.p
-    return (None, p.image_size, p.image_size, p.channels)
-
-  def Loss(self, outputs, targets):
-    return mlp.ClassificationLoss(outputs, targets)
-

@@ -14,14 +14,8 @@ import models
 from models import mlp
 from tfpipe import base_layer
 from tfpipe import layers
+from tfpipe.layers import conv
 from tfpipe.layers import core
-
-
-def _ConvParams(name, kernel, cin, cout, stride):
-  return layers.Conv2DLayer.Params().Set(
-      name=name, filter_shape=(kernel, kernel, cin, cout),
-      filter_stride=(stride, stride), padding='SAME', has_bias=False,
-      activation='none')
 
 
 class ConvBnLayer(base_layer.BaseLayer):
@@ -50,22 +44,22 @@ class ConvBnLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p, input_shape):
     conv_name, conv_p = _ConvBnChildren(p)[0]
     del conv_name
-    conv = conv_p.target_cls.FPropMeta(conv_p, input_shape)
+    conv_meta = conv_p.target_cls.FPropMeta(conv_p, input_shape)
     bn_p = _ConvBnChildren(p)[1][1]
-    bn = bn_p.target_cls.FPropMeta(bn_p, conv.output_shape)
-    total = base_layer.SumCosts([conv, bn])
+    bn = bn_p.target_cls.FPropMeta(bn_p, conv_meta.output_shape)
+    total = base_layer.SumCosts([conv_meta, bn])
     total.activation_bytes = bn.activation_bytes
     return total
 
 
 def _ConvBnChildren(p):
-  def Seed(i):
-    return None if p.random_seed is None else p.random_seed + 7919 * i
-  conv = _ConvParams('conv', p.kernel, p.in_channels, p.out_channels,
-                     p.stride).Set(random_seed=Seed(1), dtype=p.dtype)
+  conv_p = conv.ConvBeforeBatchNormParams(
+      'conv', (p.kernel, p.kernel), p.in_channels, p.out_channels,
+      (p.stride, p.stride)).Set(random_seed=core.ChildSeed(p.random_seed, 1),
+                                dtype=p.dtype)
   bn = layers.BatchNormLayer.Params().Set(name='bn', dim=p.out_channels,
                                           dtype=p.dtype)
-  return [('conv', conv), ('bn', bn)]
+  return [('conv', conv_p), ('bn', bn)]
 
 
 class ResidualBlock(base_layer.BaseLayer):
@@ -109,22 +103,21 @@ class ResidualBlock(base_layer.BaseLayer):
 
 
 def _BlockChildren(p):
-  def Seed(i):
-    return None if p.random_seed is None else p.random_seed + 7919 * i
   children = [
       ('conv1', ConvBnLayer.Params().Set(
           name='conv1', in_channels=p.in_channels, out_channels=p.out_channels,
-          stride=p.stride, random_seed=Seed(1), dtype=p.dtype)),
+          stride=p.stride, random_seed=core.ChildSeed(p.random_seed, 1),
+          dtype=p.dtype)),
       ('conv2', ConvBnLayer.Params().Set(
           name='conv2', in_channels=p.out_channels,
           out_channels=p.out_channels, activation='none',
-          random_seed=Seed(2), dtype=p.dtype)),
+          random_seed=core.ChildSeed(p.random_seed, 2), dtype=p.dtype)),
   ]
   if p.stride != 1 or p.in_channels != p.out_channels:
     children.append(('proj', ConvBnLayer.Params().Set(
         name='proj', kernel=1, in_channels=p.in_channels,
         out_channels=p.out_channels, stride=p.stride, activation='none',
-        random_seed=Seed(3), dtype=p.dtype)))
+        random_seed=core.ChildSeed(p.random_seed, 3), dtype=p.dtype)))
   return children
 
 
@@ -145,16 +138,37 @@ class GlobalAveragePoolLayer(base_layer.BaseLayer):
         activation_bytes=core.OutputBytes(out_shape, p.dtype))
 
 
-class ConvClassifier(models.BaseModel):
+class ImageClassifier(models.BaseModel):
+  """Base of the classifiers of NHWC float images; targets are int class ids.
+
+  What the image models (this one and models/amoebanet.py) have in common:
+  the image params, which params/image.py sets from its input's, the input
+  shape and the cross-entropy loss.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('image_size', 16, 'Height and width of the input images.')
+    p.Define('channels', 3, 'Number of channels of the input images.')
+    p.Define('num_classes', 10, 'Number of output classes.')
+    return p
+
+  def InputShape(self):
+    p = self.p
+    return (None, p.image_size, p.image_size, p.channels)
+
+  def Loss(self, outputs, targets):
+    return mlp.ClassificationLoss(outputs, targets)
+
+
+class ConvClassifier(ImageClassifier):
   """Residual conv net over NHWC float images; targets are int class ids."""
 
   @classmethod
   def Params(cls):
     p = super().Params()
     p.name = 'convnet'
-    p.Define('image_size', 16, 'Height and width of the input images.')
-    p.Define('channels', 3, 'Number of channels of the input images.')
-    p.Define('num_classes', 10, 'Number of output classes.')
     p.Define('base_width', 16, 'Channels of the stem and the first stage.')
     p.Define('blocks_per_stage', [1, 1], 'Residual blocks of each stage.')
     return p
@@ -177,10 +191,3 @@ class ConvClassifier(models.BaseModel):
         name='logits', input_dims=width, output_dims=p.num_classes,
         activation='none'))
     return result
-
-  def InputShape(self):
-    p = self.p
-    return (None, p.image_size, p.image_size, p.channels)
-
-  def Loss(self, outputs, targets):
-    return mlp.ClassificationLoss(outputs, targets)

@@ -10,14 +10,33 @@ and the paper's shapes, sized by the cost model without building them.
 
 from models import amoebanet
 from models import conv_classifier
+from params import recipes
 from tfpipe import base_model_params
 from tfpipe import model_registry
 from tfpipe.trainer import input_generator
 from tfpipe.trainer import task
 
 
+class _GratingClassifier(base_model_params.SingleTaskModelParams):
+  """The grating input and the task around an image model, shared below."""
+
+  def Train(self):
+    return input_generator.SyntheticImageInput.Params().Set(
+        name='train', batch_size=self.BATCH_SIZE, seed=0,
+        image_size=self.IMAGE_SIZE, channels=3, num_classes=self.NUM_CLASSES)
+
+  def _Task(self, model_cls, **model):
+    """Task params of a `model_cls` (an ImageClassifier) set from the input."""
+    p = task.BaseTask.Params()
+    p.name = 'image'
+    p.model = model_cls.Params().Set(
+        image_size=self.IMAGE_SIZE, channels=3, num_classes=self.NUM_CLASSES,
+        **model)
+    return p
+
+
 @model_registry.RegisterSingleTaskModel
-class TinyConvClassifier(base_model_params.SingleTaskModelParams):
+class TinyConvClassifier(_GratingClassifier):
   """16x16 images, width 8, one block per stage; 2 partitions x 4 micro-batches."""
 
   IMAGE_SIZE = 16
@@ -29,24 +48,14 @@ class TinyConvClassifier(base_model_params.SingleTaskModelParams):
   NUM_MICRO_BATCHES = 4
   MAX_STEPS = 400
   LEARNING_RATE = 3e-3
-
-  def Train(self):
-    return input_generator.SyntheticImageInput.Params().Set(
-        name='train', batch_size=self.BATCH_SIZE, seed=0,
-        image_size=self.IMAGE_SIZE, channels=3, num_classes=self.NUM_CLASSES)
+  WARMUP_STEPS = 50
 
   def Task(self):
-    p = task.BaseTask.Params()
-    p.name = 'image'
-    p.model = conv_classifier.ConvClassifier.Params().Set(
-        image_size=self.IMAGE_SIZE, channels=3, num_classes=self.NUM_CLASSES,
-        base_width=self.BASE_WIDTH, blocks_per_stage=self.BLOCKS_PER_STAGE)
-    p.pipeline.Set(num_partitions=self.NUM_PARTITIONS,
-                   num_micro_batches=self.NUM_MICRO_BATCHES)
-    p.train.Set(learning_rate=self.LEARNING_RATE, max_steps=self.MAX_STEPS,
-                save_interval_steps=100, log_interval_steps=50)
-    p.train.lr_schedule.Set(warmup_steps=50, decay='cosine',
-                            decay_steps=self.MAX_STEPS, min_ratio=0.05)
+    p = self._Task(conv_classifier.ConvClassifier, base_width=self.BASE_WIDTH,
+                   blocks_per_stage=self.BLOCKS_PER_STAGE)
+    recipes.SetPipelinedCosineTraining(
+        p, self, decay_steps=self.MAX_STEPS, save_interval_steps=100,
+        log_interval_steps=50)
     p.eval.Set(num_batches=8)
     return p
 
@@ -80,7 +89,7 @@ class LargeConvClassifier(TinyConvClassifier):
 
 
 @model_registry.RegisterSingleTaskModel
-class TinyAmoebaNetD(base_model_params.SingleTaskModelParams):
+class TinyAmoebaNetD(_GratingClassifier):
   """AmoebaNet-D(3, 16) on 16x16 gratings with the small-image stem; trains on CPU.
 
   Five cells (one normal cell per stack and the two reduction cells) in 2
@@ -103,26 +112,13 @@ class TinyAmoebaNetD(base_model_params.SingleTaskModelParams):
   LEARNING_RATE = 3e-3
   WARMUP_STEPS = 10
 
-  def Train(self):
-    return input_generator.SyntheticImageInput.Params().Set(
-        name='train', batch_size=self.BATCH_SIZE, seed=0,
-        image_size=self.IMAGE_SIZE, channels=3, num_classes=self.NUM_CLASSES)
-
   def Task(self):
-    p = task.BaseTask.Params()
-    p.name = 'image'
-    p.model = amoebanet.AmoebaNetD.Params().Set(
-        image_size=self.IMAGE_SIZE, channels=3, num_classes=self.NUM_CLASSES,
-        num_layers=self.NUM_LAYERS, num_filters=self.NUM_FILTERS,
-        imagenet_stem=self.IMAGENET_STEM,
-        batch_norm_decay=self.BATCH_NORM_DECAY)
-    p.pipeline.Set(num_partitions=self.NUM_PARTITIONS,
-                   num_micro_batches=self.NUM_MICRO_BATCHES)
-    p.train.Set(learning_rate=self.LEARNING_RATE, max_steps=self.MAX_STEPS,
-                save_interval_steps=100, log_interval_steps=25)
-    p.train.lr_schedule.Set(warmup_steps=self.WARMUP_STEPS, decay='cosine',
-                            decay_steps=self.MAX_STEPS - self.WARMUP_STEPS,
-                            min_ratio=0.05)
+    p = self._Task(amoebanet.AmoebaNetD, num_layers=self.NUM_LAYERS,
+                   num_filters=self.NUM_FILTERS,
+                   imagenet_stem=self.IMAGENET_STEM,
+                   batch_norm_decay=self.BATCH_NORM_DECAY)
+    recipes.SetPipelinedCosineTraining(p, self, save_interval_steps=100,
+                                       log_interval_steps=25)
     p.eval.Set(num_batches=8)
     return p
 

@@ -11,6 +11,7 @@ library, which every installation ships; it reports bits per character.
 
 from models import char_lm
 from models import transformer_lm
+from params import recipes
 from tfpipe import base_model_params
 from tfpipe import model_registry
 from tfpipe.trainer import input_generator
@@ -46,14 +47,9 @@ class TinyTransformerLm(base_model_params.SingleTaskModelParams):
         vocab_size=self.VOCAB_SIZE, sequence_length=2 * self.LENGTH,
         model_dim=self.MODEL_DIM, num_layers=self.NUM_LAYERS,
         num_heads=self.NUM_HEADS, hidden_dim=self.HIDDEN_DIM)
-    p.pipeline.Set(num_partitions=self.NUM_PARTITIONS,
-                   num_micro_batches=self.NUM_MICRO_BATCHES)
-    p.train.Set(learning_rate=self.LEARNING_RATE, max_steps=self.MAX_STEPS,
-                save_interval_steps=100, log_interval_steps=50,
-                clip_gradient_norm=1.0)
-    p.train.lr_schedule.Set(warmup_steps=self.WARMUP_STEPS, decay='cosine',
-                            decay_steps=self.MAX_STEPS - self.WARMUP_STEPS,
-                            min_ratio=0.05)
+    recipes.SetPipelinedCosineTraining(p, self, save_interval_steps=100,
+                                       log_interval_steps=50,
+                                       clip_gradient_norm=1.0)
     p.eval.Set(interval_steps=100, num_batches=8)
     return p
 
@@ -140,14 +136,9 @@ class StdlibCharLm(base_model_params.SingleTaskModelParams):
         sequence_length=self.SEQUENCE_LENGTH, model_dim=self.MODEL_DIM,
         num_layers=self.NUM_LAYERS, num_heads=self.NUM_HEADS,
         hidden_dim=self.HIDDEN_DIM)
-    p.pipeline.Set(num_partitions=self.NUM_PARTITIONS,
-                   num_micro_batches=self.NUM_MICRO_BATCHES)
-    p.train.Set(learning_rate=self.LEARNING_RATE, max_steps=self.MAX_STEPS,
-                save_interval_steps=100, log_interval_steps=50,
-                clip_gradient_norm=1.0)
-    p.train.lr_schedule.Set(warmup_steps=self.WARMUP_STEPS, decay='cosine',
-                            decay_steps=self.MAX_STEPS - self.WARMUP_STEPS,
-                            min_ratio=0.05)
+    recipes.SetPipelinedCosineTraining(p, self, save_interval_steps=100,
+                                       log_interval_steps=50,
+                                       clip_gradient_norm=1.0)
     p.eval.Set(num_batches=16)
     return p
 

@@ -12,6 +12,7 @@ it), with a 64k vocabulary: 408,209,920 parameters, the paper's "400M".
 """
 
 from models import transformer_nmt
+from params import recipes
 from tfpipe import base_model_params
 from tfpipe import model_registry
 from tfpipe.trainer import input_generator
@@ -55,14 +56,9 @@ class TinyTransformerNmt(base_model_params.SingleTaskModelParams):
         target_length=task_input.target_length, model_dim=self.MODEL_DIM,
         num_layers=self.NUM_LAYERS, num_heads=self.NUM_HEADS,
         hidden_dim=self.HIDDEN_DIM, dropout_prob=self.DROPOUT_PROB)
-    p.pipeline.Set(num_partitions=self.NUM_PARTITIONS,
-                   num_micro_batches=self.NUM_MICRO_BATCHES)
-    p.train.Set(learning_rate=self.LEARNING_RATE, max_steps=self.MAX_STEPS,
-                save_interval_steps=200, log_interval_steps=50,
-                clip_gradient_norm=1.0)
-    p.train.lr_schedule.Set(warmup_steps=self.WARMUP_STEPS, decay='cosine',
-                            decay_steps=self.MAX_STEPS - self.WARMUP_STEPS,
-                            min_ratio=0.05)
+    recipes.SetPipelinedCosineTraining(p, self, save_interval_steps=200,
+                                       log_interval_steps=50,
+                                       clip_gradient_norm=1.0)
     p.eval.Set(interval_steps=200, num_batches=8)
     return p
 

@@ -2,15 +2,17 @@
 
 Bazel runs a test's main module directly, but tfpipe's tests are pytest
 tests that rely on `tests/conftest.py` (8 logical CPUs, quiet logs) and on
-setup.cfg's pytest settings. Each `py_test` in BUILD therefore uses this file
-as `main`, with the test file's workspace-relative path as its argument:
+setup.cfg's pytest settings. Each `py_test` therefore uses this file as
+`main`, with the test file's workspace-relative path as its argument: the
+BUILD files' `pytest_test(name = "schedule_test", deps = [...])`
+(tools/build_defs.bzl) in tests/gpipe/ is
 
     py_test(
         name = "schedule_test",
         srcs = ["schedule_test.py", "//tests:bazel_pytest_main.py"],
         main = "//tests:bazel_pytest_main.py",
         args = ["tests/gpipe/schedule_test.py"],
-        ...
+        deps = [..., "//tests:pytest_support"],
     )
 
 Extra arguments are passed on to pytest, e.g.

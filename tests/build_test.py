@@ -1,7 +1,8 @@
 """Keeps the per-package Bazel BUILD files honest as the tree grows.
 
-Runs without Bazel: it parses the BUILD files as text. If it fails,
-regenerate with
+Runs without Bazel: it runs the BUILD files, and the macros they load from
+tools/build_defs.bzl, as Python with a stand-in for Bazel's `native` that
+records the rules. If it fails, regenerate with
 
     python tools/build_targets.py
 
@@ -12,15 +13,14 @@ and commit the BUILD files together with the new or changed files.
 # bazel: tags=external
 # bazel: deps=//tools:build_targets
 
-import ast
 import difflib
 import importlib.util
 import os
 import posixpath
-import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -28,8 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 GENERATOR_PATH = os.path.join(ROOT, 'tools', 'build_targets.py')
 REGENERATE = 'Run `python tools/build_targets.py` and commit the BUILD files.'
 
-_RULE_RE = re.compile(r'^(py_library|py_test|py_binary)\(\n(.*?)^\)',
-                      re.M | re.S)
+_KINDS = ('py_library', 'py_test', 'py_binary')
 
 
 def _LoadGenerator():
@@ -40,13 +39,30 @@ def _LoadGenerator():
   return module
 
 
-def _ParseBuild(text):
-  """[(kind, {attr: value})] for every py_* rule of one BUILD file."""
+def _ParseBuild(text, package, path='BUILD'):
+  """[(kind, {attr: value})] for every py_* rule of one BUILD file.
+
+  Starlark BUILD and .bzl files of this kind are also Python: run `text`, so
+  that the macros it loads (`//tools:build_defs.bzl`) expand as under Bazel.
+  """
   rules = []
-  for m in _RULE_RE.finditer(text):
-    call = ast.parse(f'f(\n{m.group(2)})', mode='eval').body
-    attrs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
-    rules.append((m.group(1), attrs))
+
+  def Rule(kind):
+    return lambda **attrs: rules.append((kind, attrs))
+
+  native = types.SimpleNamespace(package_name=lambda: package,
+                                 **{kind: Rule(kind) for kind in _KINDS})
+
+  def Load(label, *symbols):
+    bzl = {'native': native}
+    with open(os.path.join(ROOT, _Path('', label)), encoding='utf-8') as f:
+      exec(compile(f.read(), label, 'exec'), bzl)  # pylint: disable=exec-used
+    scope.update((s, bzl[s]) for s in symbols)
+
+  scope = {'load': Load, 'package': lambda **_: None,
+           'exports_files': lambda *_, **__: None}
+  scope.update((kind, getattr(native, kind)) for kind in _KINDS)
+  exec(compile(text, path, 'exec'), scope)  # pylint: disable=exec-used
   return rules
 
 
@@ -72,7 +88,7 @@ def _Rules(files):
   out = {}
   for path, text in files.items():
     package = posixpath.dirname(path)
-    for kind, attrs in _ParseBuild(text):
+    for kind, attrs in _ParseBuild(text, package, path):
       label = f'//{package}:{attrs["name"]}'
       assert label not in out, f'{label} is defined twice. {REGENERATE}'
       out[label] = (kind, attrs, package)
@@ -139,7 +155,8 @@ def test_every_package_has_a_build_file_of_python_rules(build_files, tree):
   assert not missing, f'Packages without a BUILD file: {missing}. {REGENERATE}'
   for path, text in build_files.items():
     if path != 'BUILD':
-      assert _ParseBuild(text), f'{path} has no py_* rules. {REGENERATE}'
+      assert _ParseBuild(text, posixpath.dirname(path), path), (
+          f'{path} has no py_* rules. {REGENERATE}')
 
 
 def test_every_module_is_the_source_of_exactly_one_library(rules, tree):
@@ -209,6 +226,30 @@ def test_build_files_are_up_to_date(build_files, expected, generator):
   stale = generator.StaleBuildFiles(ROOT, expected)
   assert not diffs and not stale, (
       f'Stale BUILD files {stale}. {REGENERATE}\n' + ''.join(diffs)[:4000])
+
+
+def test_build_files_make_the_generators_targets(rules, tree, generator):
+  """The macros of tools/build_defs.bzl expand to the generator's rules."""
+  want, got = {}, {}
+  # The generator's own model of the rules, before they are written out.
+  targets = generator._Targets(  # pylint: disable=protected-access
+      tree).by_label
+  for label, t in targets.items():
+    want[_Absolute('', label)] = (
+        t.kind, sorted(t.srcs), sorted(_Absolute('', d) for d in t.deps),
+        t.attrs.get('main'), t.attrs.get('args'))
+  for label, (kind, attrs, package) in rules.items():
+    main = attrs.get('main')
+    got[label] = (
+        kind, sorted(_Path(package, s) for s in attrs.get('srcs', [])),
+        sorted(_Absolute(package, d) for d in attrs.get('deps', [])),
+        main and _Path(package, main), attrs.get('args'))
+  assert set(got) == set(want), (
+      f'Only in BUILD files: {sorted(set(got) - set(want))}; only in the '
+      f'tree: {sorted(set(want) - set(got))}. {REGENERATE}')
+  wrong = {label: (got[label], want[label]) for label in want
+           if got[label] != want[label]}
+  assert not wrong, f'BUILD rules (made, wanted): {wrong}'
 
 
 def test_generator_is_deterministic(generator, expected):
@@ -314,6 +355,11 @@ def test_generator_on_a_small_tree(tmp_path, generator):
       '//params:params', '//tests/sub:b_test_lib', '//tests/sub:init',
       '//tests:pytest_support', '//tfpipe:model_registry']
   assert rules['//tests/sub:b_test_lib'][1]['testonly'] is True
+  assert Deps('//tests/sub:b_test_lib') == [
+      '//tests/sub:init', '//tfpipe/sub:b']
+  # The runner and the shared deps are spelled once, in the macros.
+  assert 'py_test(' not in files['tests/sub/BUILD']
+  assert 'bazel_pytest_main' not in files['tests/sub/BUILD']
   # What imports do not show (a subprocess) is declared in comments.
   assert Deps('//tests/sub:runs_trainer') == [
       '//params:params', '//tests/sub:init', '//tfpipe/trainer:trainer']

@@ -13,7 +13,7 @@ import pytest
 
 from tfpipe import quiet
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Markers of the start-up lines, written out here rather than taken from
 # quiet's own patterns, so a pattern that misses a line fails the test.
@@ -28,12 +28,22 @@ def StartupLines(text):
           if any(marker in line for marker in STARTUP_MARKERS)]
 
 
-def _Run(script, *args):
+def RunPython(*args, timeout=120):
+  """Runs `python args` in the repository as a new user would: its result.
+
+  The tests' TF_CPP_MIN_LOG_LEVEL is dropped, so only tfpipe.quiet stands
+  between TensorFlow's start-up log and the process's stderr. Shared by the
+  tests of the command lines that must start quietly.
+  """
   env = dict(os.environ)
   env.pop('TF_CPP_MIN_LOG_LEVEL', None)
-  return subprocess.run([sys.executable, '-c', script, *args], cwd=_ROOT,
-                        env=env, capture_output=True, text=True, timeout=120,
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout,
                         check=False)
+
+
+def _Run(script, *args):
+  return RunPython('-c', script, *args)
 
 
 @pytest.mark.parametrize('line', [

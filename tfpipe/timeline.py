@@ -323,10 +323,3 @@ def DependencyViolations(tl, tolerance=0.0):
         if gap < -tolerance:
           found.append((a, dep, -gap))
   return found
-
-
-def ForwardBackwardRatio(tl: Timeline) -> Optional[float]:
-  """Measured total backward (B and W) / forward time (2 is the textbook
-  ratio)."""
-  f = sum(tl.forward_costs)
-  return (sum(tl.backward_costs) + sum(tl.weight_costs)) / f if f > 0 else None

@@ -34,6 +34,10 @@ def test_cpu_table_compares_each_configuration_with_the_formula(tmp_path):
   assert len(results) == 1 + 7  # Keras, then 7 configurations at M=2.
   assert all(r['peak_bytes'] > 0 and r['predicted_bytes'] > 0
              for r in results)
+  tape = json.loads(out.read_text())['tape_path']
+  assert [r['num_micro_batches'] for r in tape] == [2]
+  assert all(r['tape_peak_bytes'] > 0 and r['train_step_peak_bytes'] > 0
+             for r in tape)
 
 
 def test_per_device_path_reports_every_device_and_its_prediction(tmp_path):

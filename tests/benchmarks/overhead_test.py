@@ -22,7 +22,8 @@ def test_tiny_run_times_every_configuration_quietly(tmp_path):
   result = json.loads(out.read_text())['results'][0]
   assert result['device_type'] == 'CPU'
   assert sorted(result['median_s']) == sorted([
-      'keras', 'floor_m2', 'floor_m2_remat', 'pipe_k1_m1', 'pipe_k2_m2',
+      'keras', 'floor_m2', 'floor_m2_remat', 'pipe_k1_m1',
+      'pipe_k1_m1_remat', 'pipe_k2_m1_remat', 'pipe_k2_m2',
       'pipe_k2_m2_remat', 'pipe_k2_m2_remat_threads'])
   assert all(t > 0 for t in result['median_s'].values())
   assert 'K=2 on 4 logical CPU devices' in proc.stdout

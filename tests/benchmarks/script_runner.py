@@ -5,34 +5,21 @@ devices before TensorFlow starts, so it cannot run inside pytest's process.
 """
 
 import functools
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
+from tests import quiet_test
 
-# Markers of TensorFlow's C++ start-up lines (see tests/quiet_test.py).
-STARTUP_MARKERS = ('absl::InitializeLog', 'oneDNN custom operations',
-                   'Could not find cuda drivers', 'cuInit',
-                   'cpu_feature_guard', 'To enable the following instructions')
-
-
-def StartupLines(text):
-  return [line for line in text.splitlines()
-          if any(marker in line for marker in STARTUP_MARKERS)]
+ROOT = quiet_test.ROOT
 
 
 def Run(module, *args, expect_ok=True, timeout=240):
   """Runs `python -m module args` with a new user's environment."""
-  env = dict(os.environ)
-  env.pop('TF_CPP_MIN_LOG_LEVEL', None)
-  proc = subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT,
-                        env=env, capture_output=True, text=True,
-                        timeout=timeout, check=False)
+  proc = quiet_test.RunPython('-m', module, *args, timeout=timeout)
   if expect_ok:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert StartupLines(proc.stdout + proc.stderr) == [], proc.stderr[-3000:]
+    assert quiet_test.StartupLines(proc.stdout + proc.stderr) == [], (
+        proc.stderr[-3000:])
   return proc
 
 

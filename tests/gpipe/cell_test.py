@@ -31,7 +31,7 @@ def _Cell(sub):
   return cell_lib.FeatureExtractionLayer.Params().Set(name='cell', sub=sub)
 
 
-def testCellIsASequentialLayer():
+def test_cell_is_a_sequential_layer():
   assert issubclass(cell_lib.FeatureExtractionLayer, layers.SequentialLayer)
   p = _Cell([_Fc('a', 4, 8), _Fc('b', 8, 3)])
   assert 'sub' in p and p.target_cls is cell_lib.FeatureExtractionLayer
@@ -42,7 +42,7 @@ def testCellIsASequentialLayer():
   assert [c.name for c in cell.sub] == ['a', 'b']
 
 
-def testBuildingUnderADeviceScopePlacesLazyKerasLayersThere():
+def test_building_under_a_device_scope_places_lazy_keras_layers_there():
   cell = _Cell([_Dense('d0', 8), _Dense('d1', 3)]).Instantiate()
   assert not cell.weights  # Keras layers build lazily ...
   with tf.device('/CPU:2'):
@@ -57,7 +57,7 @@ def testBuildingUnderADeviceScopePlacesLazyKerasLayersThere():
     assert v.value.device.endswith('CPU:2'), (v.path, v.value.device)
 
 
-def testInstantiatedAndBuiltUnderAScopeEverythingIsThere():
+def test_instantiated_and_built_under_a_scope_everything_is_there():
   with tf.device('/CPU:6'):
     cell = _Cell([_Fc('fc', 4, 8), _Dense('dense', 3)]).Instantiate()
     cell.build((None, 4))
@@ -65,7 +65,7 @@ def testInstantiatedAndBuiltUnderAScopeEverythingIsThere():
   assert all(v.value.device.endswith('CPU:6') for v in cell.weights)
 
 
-def testFPropMetaSumsTheChainedChildren():
+def test_fprop_meta_sums_the_chained_children():
   sub = [_Fc('fc', 4, 8), _Dense('dense', 3)]
   meta = cell_lib.FeatureExtractionLayer.FPropMeta(_Cell(sub), (5, 4))
   first = sub[0].target_cls.FPropMeta(sub[0], (5, 4))
@@ -84,7 +84,7 @@ def testFPropMetaSumsTheChainedChildren():
   assert empty.output_shape == (5, 4) and empty.num_params == 0
 
 
-def testSequentialClassesAreFlattenedByThePartitioner():
+def test_sequential_classes_are_flattened_by_the_partitioner():
   assert layers.SequentialLayer in cell_lib.SEQUENTIAL_CLASSES()
   cell_p = _Cell([_Fc('a', 4, 4), _Fc('b', 4, 4)])
   assert partition.IsSequentialParams(cell_p)
@@ -103,7 +103,7 @@ def testSequentialClassesAreFlattenedByThePartitioner():
   assert [[p.name for p in c.sub] for c in again] == [['a', 'b'], ['c', 'd']]
 
 
-def testCheckpointSavesTheSubLayers(tmp_path):
+def test_checkpoint_saves_the_sub_layers(tmp_path):
   x = tf.ones([2, 4])
   saved = _Cell([_Fc('a', 4, 8), _Fc('b', 8, 3)]).Instantiate()
   other = _Cell([

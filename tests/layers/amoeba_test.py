@@ -44,11 +44,15 @@ def test_cell_shapes_and_cost_model_match_the_built_cell(
   assert meta.flops > 0
 
 
+def _NormalCell(channels, random_seed):
+  """A normal cell whose inputs and nodes all have `channels` channels."""
+  return layers.AmoebaCell.Params().Set(
+      name='cell', prev_channels=channels, prev_prev_channels=channels,
+      channels=channels, random_seed=random_seed).Instantiate()
+
+
 def test_first_cell_takes_one_tensor_as_both_inputs():
-  p = layers.AmoebaCell.Params().Set(
-      name='cell', prev_channels=8, prev_prev_channels=8, channels=8,
-      random_seed=2)
-  cell = p.Instantiate()
+  cell = _NormalCell(8, random_seed=2)
   x = tf.random.stateless_normal((1, 4, 4, 8), [5, 6])
   np.testing.assert_allclose(cell(x, training=False)[0],
                              cell((x, x), training=False)[0])
@@ -57,10 +61,7 @@ def test_first_cell_takes_one_tensor_as_both_inputs():
 
 def test_cell_reads_both_previous_outputs():
   """The cell's output depends on prev and on prev_prev: the skip is wired."""
-  p = layers.AmoebaCell.Params().Set(
-      name='cell', prev_channels=4, prev_prev_channels=4, channels=4,
-      random_seed=3)
-  cell = p.Instantiate()
+  cell = _NormalCell(4, random_seed=3)
   prev = tf.random.stateless_normal((1, 4, 4, 4), [1, 1])
   prev_prev = tf.random.stateless_normal((1, 4, 4, 4), [2, 2])
   base = cell((prev, prev_prev), training=False)[0]

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from models import amoebanet
+from tests.models import layer_list
 from tfpipe import gpipe
 from tfpipe.trainer import task as task_lib
 
@@ -40,19 +41,7 @@ def test_layer_list_runs_and_cost_model_matches(imagenet_stem, image_size):
   assert names == ['stem', *stem_cells, 'normal_0_0', 'reduction_0',
                    'normal_1_0', 'reduction_1', 'normal_2_0', 'head']
   x = tf.random.stateless_normal((2, image_size, image_size, 3), [1, 2])
-  shape = (2, image_size, image_size, 3)
-  total = 0
-  for lp in model.LayerParamsList():
-    layer = lp.Instantiate()
-    x = layer(x, training=True)
-    meta = lp.target_cls.FPropMeta(lp, shape)
-    shape = meta.output_shape
-    assert tf.nest.map_structure(lambda t: tuple(t.shape), x) == shape, lp.name
-    count = sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
-    assert meta.num_params == count, lp.name
-    total += count
-  assert shape == (2, 5)
-  assert model.NumParams() == total
+  assert layer_list.RunAndCheckCostModel(model, x, training=True) == (2, 5)
 
 
 @pytest.mark.parametrize('change, message', [

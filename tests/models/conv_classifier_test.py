@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from models import conv_classifier
+from tests.models import layer_list
 
 
 def test_layer_list_runs_and_cost_model_matches():
@@ -15,16 +16,7 @@ def test_layer_list_runs_and_cost_model_matches():
       'stem', 'stage0_block0', 'stage0_block1', 'stage1_block0', 'pool',
       'logits']
   x = tf.random.normal((3, 8, 8, 2))
-  shape = (3, 8, 8, 2)
-  for lp in lps:
-    layer = lp.Instantiate()
-    x = layer(x, training=True)
-    meta = lp.target_cls.FPropMeta(lp, shape)
-    shape = meta.output_shape
-    assert tuple(x.shape) == shape, lp.name
-    assert meta.num_params == sum(
-        int(np.prod(v.shape)) for v in layer.trainable_variables), lp.name
-  assert shape == (3, 5)
+  assert layer_list.RunAndCheckCostModel(model, x, training=True) == (3, 5)
 
 
 def test_residual_block_projects_only_when_shapes_change():

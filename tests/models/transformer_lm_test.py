@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from models import transformer_lm
+from tests.models import layer_list
 
 
 def _Model(**kwargs):
@@ -19,18 +20,8 @@ def test_layer_list_runs_and_cost_model_matches():
   assert [lp.name for lp in lps] == [
       'emb', 'pos_emb', 'block_0', 'block_1', 'block_2', 'final_ln', 'logits']
   x = tf.constant(np.random.RandomState(0).randint(0, 11, size=(3, 6)))
-  shape = (3,) + model.InputShape()[1:]
-  params = 0
-  for lp in lps:
-    layer = lp.Instantiate()
-    x = layer(x, training=False)
-    meta = lp.target_cls.FPropMeta(lp, shape)
-    shape = meta.output_shape
-    assert tuple(x.shape) == shape
-    params += sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
-    assert meta.num_params == sum(
-        int(np.prod(v.shape)) for v in layer.trainable_variables)
-  assert shape == (3, 6, 11)
+  assert model.InputShape() == (None, 6)
+  assert layer_list.RunAndCheckCostModel(model, x) == (3, 6, 11)
   assert model.InputDtype() == 'int32'
 
 

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from models import transformer_nmt
+from tests.models import layer_list
 from tfpipe import gpipe
 from tfpipe.trainer import input_generator
 from tfpipe.trainer import task as task_lib
@@ -39,18 +40,7 @@ def test_layer_list_runs_and_cost_model_matches():
                                      'decoder_0', 'decoder_1', 'logits']
   assert model.InputShape() == (None, 11)
   ids = tf.constant(np.random.RandomState(0).randint(1, 20, size=(3, 11)))
-  x, shape, total = ids, (3, 11), 0
-  for lp in lps:
-    layer = lp.Instantiate()
-    x = layer(x, training=False)
-    meta = lp.target_cls.FPropMeta(lp, shape)
-    shape = meta.output_shape
-    assert tf.nest.map_structure(lambda t: tuple(t.shape), x) == shape, lp.name
-    count = sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
-    assert meta.num_params == count, lp.name
-    total += count
-  assert shape == (3, 5, 20)
-  assert model.NumParams() == total
+  assert layer_list.RunAndCheckCostModel(model, ids) == (3, 5, 20)
 
 
 def _Pipeline(model, num_partitions, num_micro_batches, inputs, targets):

@@ -61,7 +61,7 @@ def test_table_shows_configured_devices_and_schedule():
 
 
 def test_too_many_partitions_fails_like_training():
-  with pytest.raises(ValueError, match='needs 16 devices'):
+  with pytest.raises(ValueError, match='num_partitions x num_replicas = 16 devices'):
     model_inspect.ModelTable(_Params(num_partitions=16))
 
 

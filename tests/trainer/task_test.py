@@ -121,11 +121,11 @@ def test_batch_norm_model_trains():
 @pytest.mark.parametrize('change, batch, message', [
     ({'pipeline.num_micro_batches': 8}, 4,
      r'input.batch_size=4 is smaller than task.pipeline.num_micro_batches=8'),
-    ({'pipeline.schedule': 'zigzag'}, 16, r"task.pipeline.schedule='zigzag'"),
+    ({'pipeline.schedule': 'zigzag'}, 16, r"task.pipeline.schedule must be .*Received: schedule='zigzag'"),
     ({'pipeline.remat_policy': 'sometimes'}, 16,
-     r"task.pipeline.remat_policy='sometimes'"),
-    ({'pipeline.balance': 'luck'}, 16, r"task.pipeline.balance='luck'"),
-    ({'pipeline.executor': 'fibers'}, 16, r"task.pipeline.executor='fibers'"),
+     r"task.pipeline.remat_policy must be .*Received: remat_policy='sometimes'"),
+    ({'pipeline.balance': 'luck'}, 16, r"task.pipeline.balance must be .*Received: balance='luck'"),
+    ({'pipeline.executor': 'fibers'}, 16, r"task.pipeline.executor must be .*Received: executor='fibers'"),
     ({'pipeline.num_partitions': 0}, 16, r'task.pipeline.num_partitions'),
     ({'train.optimizer.type': 'adagrad'}, 16,
      r"task.train.optimizer.type='adagrad'"),
@@ -140,8 +140,9 @@ def test_check_params_names_the_bad_param(change, batch, message):
 
 def test_more_partitions_than_devices():
   p = _MlpTaskParams(9, 1)
-  with pytest.raises(ValueError, match=r'task.pipeline.num_partitions.*9 needs '
-                     r'9 devices but only 8 .*--num_devices'):
+  with pytest.raises(ValueError, match=r'task.pipeline: num_partitions x num_replicas = '
+                     r'9 devices: 9 CPU devices are needed but TensorFlow has '
+                     r'already started with 8 .*--num_devices'):
     task_lib.PipelineDevices(p.pipeline)
   p.pipeline.devices = ['/CPU:1', '/CPU:0']
   p.pipeline.num_partitions = 2

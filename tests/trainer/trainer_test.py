@@ -21,6 +21,7 @@ from absl import flags
 import pytest
 import tensorflow as tf
 
+from tests import quiet_test
 from tfpipe import devices
 from tfpipe import model_registry
 from tfpipe.trainer import train_loop
@@ -176,7 +177,8 @@ def _Parse(*args):
     (['--model=mlp.TinyMlp', '--num_micro_batches=64'],
      r'input.batch_size=32 is smaller than task.pipeline.num_micro_batches=64'
      r'.*--num_micro_batches'),
-    (['--schedule=zigzag'], r"task.pipeline.schedule='zigzag'.*--schedule"),
+    (['--schedule=zigzag'],
+     r"task.pipeline.schedule must be .*--schedule.*Received: schedule='zigzag'"),
     (['--remat_policy=sometimes'], r"remat_policy='sometimes'"),
 ])
 def test_bad_configuration_names_the_flag(flags_reset, args, message):
@@ -191,7 +193,7 @@ def test_more_partitions_than_devices(flags_reset):
   _Parse('--num_partitions=9')
   p = trainer.BuildParams()
   with pytest.raises(app.UsageError,
-                     match=r'num_partitions.*9 needs 9 devices.*--num_devices'):
+                     match=r'num_partitions x num_replicas = 9 devices.*--num_devices'):
     trainer.CheckDevices(p)
 
 
@@ -308,28 +310,14 @@ def test_unreadable_checkpoints_are_one_error_line(flags_reset, tmp_path,
 
 # ---- devices and start-up output ---------------------------------------------
 
-_STARTUP_MARKERS = ('absl::InitializeLog', 'oneDNN custom operations',
-                    'Could not find cuda drivers', 'cuInit',
-                    'cpu_feature_guard', 'To enable the following instructions')
-
-
-def _StartupLines(text):
-  return [line for line in text.splitlines()
-          if any(marker in line for marker in _STARTUP_MARKERS)]
-
-
 def _RunQuietly(*args):
-  env = dict(os.environ)
-  env.pop('TF_CPP_MIN_LOG_LEVEL', None)  # As a new user runs it.
-  return subprocess.run([sys.executable, '-m', 'tfpipe.trainer', *args],
-                        capture_output=True, text=True, timeout=180, env=env,
-                        check=False)
+  return quiet_test.RunPython('-m', 'tfpipe.trainer', *args, timeout=180)
 
 
 def test_startup_prints_no_tensorflow_noise_unless_verbosity_asks(tmp_path):
   inspect = _RunQuietly('--mode=inspect_params')
   assert inspect.returncode == 0, inspect.stderr
-  assert _StartupLines(inspect.stdout + inspect.stderr) == []
+  assert quiet_test.StartupLines(inspect.stdout + inspect.stderr) == []
   assert inspect.stderr == ''
   # The size comes from the cost models, so it is printed without building.
   assert inspect.stdout.splitlines()[-1] == '# trainable parameters: 70,160'
@@ -337,14 +325,14 @@ def test_startup_prints_no_tensorflow_noise_unless_verbosity_asks(tmp_path):
                       '--max_steps=2', '--log_interval_steps=1',
                       '--num_partitions=2', '--run_locally=cpu')
   assert train.returncode == 0, train.stderr
-  assert _StartupLines(train.stdout + train.stderr) == []
+  assert quiet_test.StartupLines(train.stdout + train.stderr) == []
   assert train.stdout.startswith('Training mlp.TinyMlp in ')
   assert 'Final: step=2' in train.stdout
   info = _RunQuietly('--mode=inspect_params', '--verbosity=0')
-  assert _StartupLines(info.stdout + info.stderr) == []
+  assert quiet_test.StartupLines(info.stdout + info.stderr) == []
   verbose = _RunQuietly('--mode=inspect_params', '--verbosity=1')
   assert verbose.returncode == 0, verbose.stderr
-  assert _StartupLines(verbose.stderr), verbose.stderr
+  assert quiet_test.StartupLines(verbose.stderr), verbose.stderr
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@
 Data flows one way through the modules:
   partition (balance)  ->  microbatch (split/merge)  ->  schedule (actions per
   device, as data)  ->  stage (what one cell does for one micro-batch:
-  forward, loss, backward, gradient accumulation)  ->  runtime (one
+  forward, loss, backward, gradient accumulation; split_backward cuts the
+  backward into B and W for zero-bubble schedules)  ->  runtime (one
   interpreter of the schedule for every entry point)  ->  dispatch (issue the
   actions inline in one graph, or from one thread per device)  ->
   pipelining_layer (the Keras layer users build).
@@ -29,10 +30,13 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
     'runtime': ['REMAT_POLICIES'],
     'schedule': [
         'GPipeSchedule',
+        'InterleavedOneFOneBSchedule',
         'MakeSchedule',
         'OneFOneBSchedule',
         'Simulate',
         'TextTimeline',
+        'ZeroBubbleH1Schedule',
     ],
+    'split_backward': [],
     'stage': ['LossAndGradients'],
 })

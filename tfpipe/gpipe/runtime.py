@@ -37,6 +37,9 @@ are gathered per (replica, micro-batch, cell) and handed to the step's
 collector in that order, so the update does not depend on timing.
 """
 
+import dataclasses
+from typing import Any
+
 import tensorflow as tf
 
 from tfpipe.gpipe import dispatch as dispatch_lib
@@ -80,6 +83,7 @@ def _Tokens(structure):
   return [t for t in tf.nest.flatten(structure) if t is not None]
 
 
+@dataclasses.dataclass
 class MicroBatches:
   """One replica's share of a step: its micro-batches and their bookkeeping.
 
@@ -93,13 +97,12 @@ class MicroBatches:
       when the batch size is not static).
   """
 
-  def __init__(self, inputs, targets, scales, seeds, offsets, sizes):
-    self.inputs = inputs
-    self.sizes = sizes
-    self.targets = targets
-    self.scales = scales
-    self.seeds = seeds
-    self.offsets = offsets
+  inputs: list
+  targets: Any
+  scales: list
+  seeds: list
+  offsets: list
+  sizes: list
 
   def __len__(self):
     return len(self.inputs)

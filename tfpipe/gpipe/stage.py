@@ -326,15 +326,13 @@ class Stage:
                              seed, offset, scale, batch_size, first, need_dx):
     """F and B of the last cell in one call: no recompute needed."""
     collector = _RecordingCollector()
-    x_float, rebuild = SplitFloat(x)
-    if not need_dx:
-      x_float = []
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-      tape.watch(x_float)
-      tape.watch(self.variables)
-      y = self._Call(rebuild(x_float) if x_float else x, seed, offset,
-                     training, collector, recomputing=False)
-      parts = self._Loss(loss_fn, y, targets, scale, batch_size)
+
+    def ForwardLoss(x_in):
+      y = self._Call(x_in, seed, offset, training, collector,
+                     recomputing=False)
+      return self._Loss(loss_fn, y, targets, scale, batch_size)
+
+    tape, x_float, parts = self._Taped(x, need_dx, ForwardLoss)
     stats = self._Stats(collector, stat_layers)
     dx, done = self._Gradients(tape, [parts.numerator], None, x_float, first)
     return (parts.numerator, parts.metrics, parts.weight, stats, dx, done)
@@ -343,16 +341,27 @@ class Stage:
                 first, need_dx):
     """Recomputes the cell, accumulates its variables' gradients; returns dx."""
     del loss_fn, stat_layers
+
+    def Recompute(x_in):
+      y = self._Call(x_in, seed, offset, training, DiscardingCollector(),
+                     recomputing=True)
+      return SplitFloat(y)[0]
+
+    tape, x_float, target = self._Taped(x, need_dx, Recompute)
+    return self._Gradients(tape, target, list(dy), x_float, first)
+
+  def _Taped(self, x, need_dx, fn):
+    """Runs fn(x) under a tape that watches the variables, and the float
+    parts of x when the input gradient is needed; returns
+    (tape, watched float inputs, fn's result)."""
     x_float, rebuild = SplitFloat(x)
     if not need_dx:
       x_float = []
     with tf.GradientTape(watch_accessed_variables=False) as tape:
       tape.watch(x_float)
       tape.watch(self.variables)
-      y = self._Call(rebuild(x_float) if x_float else x, seed, offset,
-                     training, DiscardingCollector(), recomputing=True)
-      target = SplitFloat(y)[0]
-    return self._Gradients(tape, target, list(dy), x_float, first)
+      result = fn(rebuild(x_float) if x_float else x)
+    return tape, x_float, result
 
   def _Gradients(self, tape, target, dy, x_float, first):
     """The input gradient and the weight gradient of one recorded forward.

@@ -61,11 +61,6 @@ OPS = ('none', 'conv_1x1', 'conv_3x3', 'conv_1x7_7x1', 'max_pool_2x2',
        'max_pool_3x3', 'avg_pool_3x3')
 
 
-def _Seed(p, i):
-  """A child's seed, distinct per child so equally named variables differ."""
-  return None if p.random_seed is None else p.random_seed + 7919 * i
-
-
 def _OutSize(size, stride):
   return None if size is None else math.ceil(size / stride)
 
@@ -116,14 +111,17 @@ class ReluConvBn(base_layer.BaseLayer):
 
 def _ReluConvBnChildren(p):
   return [
-      ('conv', conv.Conv2DLayer.Params().Set(
-          name='conv', filter_shape=(*p.kernel, p.in_channels, p.out_channels),
-          filter_stride=tuple(p.stride), padding='SAME', has_bias=False,
-          activation='none', random_seed=_Seed(p, 1), dtype=p.dtype)),
-      ('bn', normalization.BatchNormLayer.Params().Set(
-          name='bn', dim=p.out_channels, decay=p.batch_norm_decay,
-          dtype=p.dtype)),
+      ('conv', conv.ConvBeforeBatchNormParams(
+          'conv', p.kernel, p.in_channels, p.out_channels, p.stride).Set(
+              random_seed=core.ChildSeed(p.random_seed, 1), dtype=p.dtype)),
+      ('bn', _BatchNormParams(p)),
   ]
+
+
+def _BatchNormParams(p):
+  """The batch norm over the out_channels of ReluConvBn and FactorizedReduce."""
+  return normalization.BatchNormLayer.Params().Set(
+      name='bn', dim=p.out_channels, decay=p.batch_norm_decay, dtype=p.dtype)
 
 
 class FactorizedReduce(base_layer.BaseLayer):
@@ -175,14 +173,11 @@ class FactorizedReduce(base_layer.BaseLayer):
 
 def _FactorizedReduceChildren(p):
   def Conv(name, i):
-    return conv.Conv2DLayer.Params().Set(
-        name=name, filter_shape=(1, 1, p.in_channels, p.out_channels // 2),
-        filter_stride=(2, 2), padding='SAME', has_bias=False,
-        activation='none', random_seed=_Seed(p, i), dtype=p.dtype)
+    return conv.ConvBeforeBatchNormParams(
+        name, (1, 1), p.in_channels, p.out_channels // 2, (2, 2)).Set(
+            random_seed=core.ChildSeed(p.random_seed, i), dtype=p.dtype)
   return [('conv_even', Conv('conv_even', 1)), ('conv_odd', Conv('conv_odd', 2)),
-          ('bn', normalization.BatchNormLayer.Params().Set(
-              name='bn', dim=p.out_channels, decay=p.batch_norm_decay,
-              dtype=p.dtype))]
+          ('bn', _BatchNormParams(p))]
 
 
 class Pool2DLayer(base_layer.BaseLayer):
@@ -232,8 +227,6 @@ def OpParams(op, channels, stride, name, random_seed=None, dtype='float32',
   """
   if op not in OPS:
     raise ValueError(f'{name}: unknown AmoebaNet op {op!r}; use one of {OPS}.')
-  def Seed(i):
-    return None if random_seed is None else random_seed + 7919 * i
   if op == 'none':
     if stride == 1:
       return None
@@ -250,7 +243,7 @@ def OpParams(op, channels, stride, name, random_seed=None, dtype='float32',
     return ReluConvBn.Params().Set(
         name=f'unit{i}', in_channels=cin, out_channels=cout, kernel=kernel,
         stride=unit_stride, batch_norm_decay=batch_norm_decay,
-        random_seed=Seed(i + 1), dtype=dtype)
+        random_seed=core.ChildSeed(random_seed, i + 1), dtype=dtype)
   if op == 'conv_1x1':
     return Unit(0, channels, channels, unit_stride=(stride, stride)).Set(
         name=name, random_seed=random_seed)
@@ -399,17 +392,17 @@ def _CellChildren(p):
   children = [('reduce_prev', ReluConvBn.Params().Set(
       name='reduce_prev', in_channels=p.prev_channels,
       out_channels=p.channels, batch_norm_decay=decay,
-      random_seed=_Seed(p, 1), dtype=p.dtype), None)]
+      random_seed=core.ChildSeed(p.random_seed, 1), dtype=p.dtype), None)]
   if p.reduction_prev:
     reduce_prev_prev = FactorizedReduce.Params().Set(
         name='reduce_prev_prev', in_channels=p.prev_prev_channels,
         out_channels=p.channels, batch_norm_decay=decay,
-        random_seed=_Seed(p, 2), dtype=p.dtype)
+        random_seed=core.ChildSeed(p.random_seed, 2), dtype=p.dtype)
   elif p.prev_prev_channels != p.channels:
     reduce_prev_prev = ReluConvBn.Params().Set(
         name='reduce_prev_prev', in_channels=p.prev_prev_channels,
         out_channels=p.channels, batch_norm_decay=decay,
-        random_seed=_Seed(p, 2), dtype=p.dtype)
+        random_seed=core.ChildSeed(p.random_seed, 2), dtype=p.dtype)
   else:
     reduce_prev_prev = None
   children.append(('reduce_prev_prev', reduce_prev_prev, None))
@@ -417,8 +410,9 @@ def _CellChildren(p):
   for j, (index, op) in enumerate(ops):
     stride = 2 if p.reduction and index < 2 else 1
     name = f'op{j}_{op}'
-    children.append((name, OpParams(op, p.channels, stride, name,
-                                    _Seed(p, 10 + j), p.dtype, decay), index))
+    children.append((name, OpParams(
+        op, p.channels, stride, name, core.ChildSeed(p.random_seed, 10 + j),
+        p.dtype, decay), index))
   return children
 
 
@@ -465,8 +459,9 @@ def _HeadChildren(p):
   return [
       ('dropout', core.DropoutLayer.Params().Set(
           name='dropout', keep_prob=1.0 - p.dropout_prob,
-          random_seed=_Seed(p, 1), dtype=p.dtype)),
+          random_seed=core.ChildSeed(p.random_seed, 1), dtype=p.dtype)),
       ('logits', core.FCLayer.Params().Set(
           name='logits', input_dims=p.in_channels, output_dims=p.num_classes,
-          activation='none', random_seed=_Seed(p, 2), dtype=p.dtype)),
+          activation='none', random_seed=core.ChildSeed(p.random_seed, 2),
+          dtype=p.dtype)),
   ]

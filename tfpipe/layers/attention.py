@@ -167,34 +167,41 @@ class TransformerLayer(base_layer.BaseLayer):
 
 def _ChildParams(p):
   """(name, params) of the Transformer layer's children, in FProp order."""
-  def Seed(i):
-    # Distinct per child, so equally named variables differ across children.
-    return None if p.random_seed is None else p.random_seed + 7919 * i
-
-  def Dropout(name, prob, i):
-    return core.DropoutLayer.Params().Set(
-        name=name, keep_prob=1.0 - prob, random_seed=Seed(i), dtype=p.dtype)
-
-  def Norm(name):
-    return normalization.LayerNorm.Params().Set(
-        name=name, input_dim=p.input_dim, epsilon=p.epsilon, dtype=p.dtype)
-
   return [
-      ('atten_ln', Norm('atten_ln')),
+      ('atten_ln', LayerNormParams(p, 'atten_ln')),
       ('atten', MultiHeadAttention.Params().Set(
           name='atten', input_dim=p.input_dim, num_heads=p.num_heads,
           causal=p.causal, atten_dropout_prob=p.atten_dropout_prob,
-          random_seed=Seed(1), dtype=p.dtype)),
-      ('atten_residual_dropout',
-       Dropout('atten_residual_dropout', p.residual_dropout_prob, 2)),
-      ('ffn_ln', Norm('ffn_ln')),
+          random_seed=core.ChildSeed(p.random_seed, 1), dtype=p.dtype)),
+      ('atten_residual_dropout', DropoutParams(
+          p, 'atten_residual_dropout', p.residual_dropout_prob, 2)),
+      ('ffn_ln', LayerNormParams(p, 'ffn_ln')),
       ('ffn_in', core.FCLayer.Params().Set(
           name='ffn_in', input_dims=p.input_dim, output_dims=p.hidden_dim,
-          activation=p.activation, random_seed=Seed(4), dtype=p.dtype)),
-      ('ffn_dropout', Dropout('ffn_dropout', p.ffn_dropout_prob, 5)),
+          activation=p.activation, random_seed=core.ChildSeed(p.random_seed, 4),
+          dtype=p.dtype)),
+      ('ffn_dropout', DropoutParams(p, 'ffn_dropout', p.ffn_dropout_prob, 5)),
       ('ffn_out', core.FCLayer.Params().Set(
           name='ffn_out', input_dims=p.hidden_dim, output_dims=p.input_dim,
-          activation='none', random_seed=Seed(6), dtype=p.dtype)),
-      ('ffn_residual_dropout',
-       Dropout('ffn_residual_dropout', p.residual_dropout_prob, 7)),
+          activation='none', random_seed=core.ChildSeed(p.random_seed, 6),
+          dtype=p.dtype)),
+      ('ffn_residual_dropout', DropoutParams(
+          p, 'ffn_residual_dropout', p.residual_dropout_prob, 7)),
   ]
+
+
+def LayerNormParams(p, name):
+  """A layer norm child of a Transformer block `p` (input_dim, epsilon).
+
+  Shared with the encoder-decoder blocks of seq2seq.py, which normalize the
+  same way.
+  """
+  return normalization.LayerNorm.Params().Set(
+      name=name, input_dim=p.input_dim, epsilon=p.epsilon, dtype=p.dtype)
+
+
+def DropoutParams(p, name, prob, i):
+  """A dropout child of layer `p` that drops with `prob`, seeded as child i."""
+  return core.DropoutLayer.Params().Set(
+      name=name, keep_prob=1.0 - prob,
+      random_seed=core.ChildSeed(p.random_seed, i), dtype=p.dtype)

@@ -66,6 +66,19 @@ class Conv2DLayer(base_layer.BaseLayer):
         activation_bytes=core.OutputBytes(out_shape, p.dtype))
 
 
+def ConvBeforeBatchNormParams(name, kernel, in_channels, out_channels,
+                              stride=(1, 1)):
+  """Params of a conv that a batch norm follows: no bias and no activation.
+
+  The batch norm's beta does the bias's work, and any activation belongs
+  after the normalization. `kernel` and `stride` are (height, width).
+  """
+  return Conv2DLayer.Params().Set(
+      name=name, filter_shape=(*kernel, in_channels, out_channels),
+      filter_stride=tuple(stride), padding='SAME', has_bias=False,
+      activation='none')
+
+
 def _OutDim(size, kernel, stride, padding):
   """Output length of one spatial dim, as tf.nn.conv2d computes it."""
   if size is None:

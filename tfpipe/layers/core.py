@@ -59,6 +59,15 @@ def OutputBytes(shape, dtype):
                base_layer.NumElements(shape, BatchSize(shape)))
 
 
+def ChildSeed(random_seed, i):
+  """The seed of a layer's i-th child: None if the layer has none.
+
+  Distinct per child, so that equally named variables of different children
+  (every child has its own 'w') start from different values.
+  """
+  return None if random_seed is None else random_seed + 7919 * i
+
+
 class FCLayer(base_layer.BaseLayer):
   """Fully connected layer act(x @ w + b) applied to the last dim."""
 

@@ -17,8 +17,9 @@ anywhere; the pipeline moves the dict between devices like any nested input
     Seq2SeqEmbedding -> TransformerEncoderLayer x L -> TransformerDecoderLayer x L
                      -> DecoderLogits
 
-The blocks are pre-layer-norm, like `attention.TransformerLayer`; the last
-encoder layer normalizes its output for the decoder (`final_layer_norm`).
+The blocks are pre-layer-norm, like `attention.TransformerLayer`, and build
+their norms and dropouts with its helpers; the last encoder layer normalizes
+its output for the decoder (`final_layer_norm`).
 Every layer has an exact `FPropMeta`.
 """
 
@@ -27,16 +28,11 @@ import math
 import tensorflow as tf
 
 from tfpipe import base_layer
+from tfpipe.layers import attention
 from tfpipe.layers import core
 from tfpipe.layers import embedding
-from tfpipe.layers import normalization
 
 PAD_ID = 0
-
-
-def _Seed(p, i):
-  """A child's seed, distinct per child so equally named variables differ."""
-  return None if p.random_seed is None else p.random_seed + 7919 * i
 
 
 def _Elements(shape):
@@ -239,14 +235,14 @@ def _EmbeddingChildren(p):
   def Table(name, i):
     return embedding.EmbeddingLayer.Params().Set(
         name=name, vocab_size=p.vocab_size, embedding_dim=p.embedding_dim,
-        scale_sqrt_depth=True, random_seed=_Seed(p, i), dtype=p.dtype)
+        scale_sqrt_depth=True, random_seed=core.ChildSeed(p.random_seed, i),
+        dtype=p.dtype)
   children = [('source_emb', Table('source_emb', 1))]
   if not p.shared_embedding:
     children.append(('target_emb', Table('target_emb', 2)))
   for i, side in enumerate(('source', 'target')):
-    children.append((f'{side}_dropout', core.DropoutLayer.Params().Set(
-        name=f'{side}_dropout', keep_prob=1.0 - p.dropout_prob,
-        random_seed=_Seed(p, 3 + i), dtype=p.dtype)))
+    children.append((f'{side}_dropout', attention.DropoutParams(
+        p, f'{side}_dropout', p.dropout_prob, 3 + i)))
   return children
 
 
@@ -291,20 +287,23 @@ class _Seq2SeqBlock(base_layer.BaseLayer):
     for name, atten in cls._AttentionChildren(p):
       i += 1
       children += [
-          (f'{name}_ln', _Norm(p, f'{name}_ln')),
-          (name, atten.Set(name=name, random_seed=_Seed(p, i), dtype=p.dtype)),
-          (f'{name}_dropout', _Dropout(p, f'{name}_dropout',
-                                       p.residual_dropout_prob, 10 + i))]
+          (f'{name}_ln', attention.LayerNormParams(p, f'{name}_ln')),
+          (name, atten.Set(name=name, random_seed=core.ChildSeed(
+              p.random_seed, i), dtype=p.dtype)),
+          (f'{name}_dropout', attention.DropoutParams(
+              p, f'{name}_dropout', p.residual_dropout_prob, 10 + i))]
     children += [
-        ('ffn_ln', _Norm(p, 'ffn_ln')),
+        ('ffn_ln', attention.LayerNormParams(p, 'ffn_ln')),
         ('ffn_in', core.FCLayer.Params().Set(
             name='ffn_in', input_dims=p.input_dim, output_dims=p.hidden_dim,
-            activation=p.activation, random_seed=_Seed(p, 20), dtype=p.dtype)),
+            activation=p.activation,
+            random_seed=core.ChildSeed(p.random_seed, 20), dtype=p.dtype)),
         ('ffn_out', core.FCLayer.Params().Set(
             name='ffn_out', input_dims=p.hidden_dim, output_dims=p.input_dim,
-            activation='none', random_seed=_Seed(p, 21), dtype=p.dtype)),
-        ('ffn_dropout', _Dropout(p, 'ffn_dropout', p.residual_dropout_prob,
-                                 22))]
+            activation='none', random_seed=core.ChildSeed(p.random_seed, 21),
+            dtype=p.dtype)),
+        ('ffn_dropout', attention.DropoutParams(
+            p, 'ffn_dropout', p.residual_dropout_prob, 22))]
     return children
 
   def _AttentionInputs(self, name, normed, state):
@@ -353,16 +352,6 @@ class _Seq2SeqBlock(base_layer.BaseLayer):
         activation_bytes=_StateBytes(out, p.dtype))
 
 
-def _Norm(p, name):
-  return normalization.LayerNorm.Params().Set(
-      name=name, input_dim=p.input_dim, epsilon=p.epsilon, dtype=p.dtype)
-
-
-def _Dropout(p, name, prob, i):
-  return core.DropoutLayer.Params().Set(
-      name=name, keep_prob=1.0 - prob, random_seed=_Seed(p, i), dtype=p.dtype)
-
-
 class TransformerEncoderLayer(_Seq2SeqBlock):
   """'encoded' + SelfAttn(LN('encoded')) over unpadded positions, then + FFN."""
 
@@ -378,7 +367,8 @@ class TransformerEncoderLayer(_Seq2SeqBlock):
   def __init__(self, params):
     super().__init__(params)
     if self.p.final_layer_norm:
-      self.CreateChild('final_ln', _Norm(self.p, 'final_ln'))
+      self.CreateChild('final_ln',
+                       attention.LayerNormParams(self.p, 'final_ln'))
 
   @classmethod
   def _AttentionChildren(cls, p):
@@ -404,7 +394,7 @@ class TransformerEncoderLayer(_Seq2SeqBlock):
   def FPropMeta(cls, p, input_shape):
     meta = super().FPropMeta(p, input_shape)
     if p.final_layer_norm:
-      norm = _Norm(p, 'final_ln')
+      norm = attention.LayerNormParams(p, 'final_ln')
       ln = norm.target_cls.FPropMeta(norm, input_shape['encoded'])
       meta.flops += ln.flops
       meta.num_params += ln.num_params
@@ -474,10 +464,9 @@ class DecoderLogits(base_layer.BaseLayer):
 
 def _LogitsChildren(p):
   return [
-      ('final_ln', normalization.LayerNorm.Params().Set(
-          name='final_ln', input_dim=p.input_dim, epsilon=p.epsilon,
-          dtype=p.dtype)),
+      ('final_ln', attention.LayerNormParams(p, 'final_ln')),
       ('logits', core.FCLayer.Params().Set(
           name='logits', input_dims=p.input_dim, output_dims=p.vocab_size,
-          activation='none', random_seed=_Seed(p, 1), dtype=p.dtype)),
+          activation='none', random_seed=core.ChildSeed(p.random_seed, 1),
+          dtype=p.dtype)),
   ]

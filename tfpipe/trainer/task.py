@@ -72,7 +72,7 @@ def PipelineDevices(pipeline_p, prefix='task.pipeline'):
         f'{prefix}: num_partitions x num_replicas = {needed} devices: {e} '
         'The trainer\'s --num_devices splits the CPU or the GPUs into that '
         'many logical devices.') from None
-  return [d[len('/device'):] if d.startswith('/device:') else d
+  return ['/' + d[len('/device:'):] if d.startswith('/device:') else d
           for d in devices]
 
 
