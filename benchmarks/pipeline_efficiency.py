@@ -17,6 +17,10 @@ share one thread pool. Two modes make them exclusive:
                      step is one graph. TF 2.21 runs such a graph's stages
                      one after another, so this mode shows why the threads
                      executor exists.
+  grpc_threads       the same workers with executor='threads': one
+                     controller thread per worker issues its actions, each
+                     its own function call (what 'auto' picks for remote
+                     devices with large actions).
 
 Reported: median step time per M, the speed-up over M=1 next to the ideal
 K*M/(M+K-1) and to GPipe Table 2 / torchgpipe. The threads mode also runs
@@ -26,7 +30,7 @@ are than one big one, with no pipelining at all) and pipelining speed-up at
 equal M (one device against K). One recorded step at the largest M gives the
 measured bubble.
 
-Safety (grpc_graph): TensorFlow's servers listen on every interface, so the
+Safety (grpc modes): TensorFlow's servers listen on every interface, so the
 run re-executes itself in a loopback-only network namespace
 (tfpipe.network_namespace, as tfpipe.launcher does); every wait has a
 deadline; the workers are tfpipe.local_cluster children, killed in `finally`,
@@ -35,6 +39,8 @@ exceeds --total_timeout_s.
 
     python -m benchmarks.pipeline_efficiency --output_json=/tmp/eff.json
     python -m benchmarks.pipeline_efficiency --mode=grpc_graph --dim=512 \
+        --batch=512
+    python -m benchmarks.pipeline_efficiency --mode=grpc_threads --dim=512 \
         --batch=512
 """
 
@@ -54,10 +60,12 @@ from tfpipe import network_namespace
 from tfpipe import quiet
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum('mode', 'threads', ['threads', 'grpc_graph'],
+flags.DEFINE_enum('mode', 'threads',
+                  ['threads', 'grpc_graph', 'grpc_threads'],
                   'threads: in-process device threads (executor=threads); '
                   'grpc_graph: one graph over single-threaded worker '
-                  'processes.')
+                  'processes; grpc_threads: executor=threads over the same '
+                  'workers.')
 flags.DEFINE_integer('num_cells', 2, 'K: stages (devices).')
 flags.DEFINE_list('micro_batches', ['1', '2', '4', '8'], 'M values.')
 flags.DEFINE_integer('num_layers', 8, 'FC layers (dim x dim matmuls).')
@@ -129,8 +137,8 @@ def _LayerParams():
           for i in range(FLAGS.num_layers)]
 
 
-def _MeasureGrpcGraph(jobs):
-  """Connects to the workers and times the one-graph pipeline for each M."""
+def _MeasureGrpc(jobs, executor):
+  """Connects to the workers and times the pipeline for each M."""
   # pylint: disable=g-import-not-at-top
   from benchmarks import bench_lib
   from tfpipe import device_names
@@ -148,9 +156,11 @@ def _MeasureGrpcGraph(jobs):
   for m in [int(v) for v in FLAGS.micro_batches]:
     p = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=m, devices=devices,
-        remat_policy='never', schedule=FLAGS.schedule)
+        remat_policy='never', schedule=FLAGS.schedule, executor=executor)
     pipes[m] = p.Instantiate()
-    steps[f'M={m}'] = (lambda s=bench_lib.PipeTrainStep(pipes[m]): s(x))
+    step = bench_lib.PipeTrainStep(pipes[m], x)
+    steps[f'M={m}'] = step if executor == 'threads' else (
+        lambda s=step: s(x))
   samples = bench_lib.TimeAlternating(steps, FLAGS.reps, log=print)
   last_m = max(pipes)
   tl = timeline.RecordStep(pipes[last_m], x, None, bench_lib.Loss)
@@ -211,7 +221,7 @@ def main(argv):
   if FLAGS.worker_cluster:
     _RunWorker()
     return
-  if FLAGS.mode == 'grpc_graph':
+  if FLAGS.mode != 'threads':
     network_namespace.EnterLoopbackNamespace('benchmarks.pipeline_efficiency',
                                              sys.argv)
   quiet.ImportTensorFlow()  # Its C++ start-up log only with --verbosity=1.
@@ -221,7 +231,7 @@ def main(argv):
       samples, tl = _MeasureThreads()
     else:
       jobs = _StartWorkers(FLAGS.num_cells)
-      samples, tl = _MeasureGrpcGraph(jobs)
+      samples, tl = _MeasureGrpc(jobs, FLAGS.mode[len('grpc_'):])
   finally:
     _CHILDREN.Close()
     watchdog.cancel()
@@ -264,7 +274,7 @@ def main(argv):
   else:
     print(f'\nK={k} worker processes (intra-op threads 1, inter-op '
           f'{FLAGS.worker_inter_op_threads}) over gRPC on 127.0.0.1, '
-          f'executor=graph; {FLAGS.num_layers} x FC({FLAGS.dim}), batch '
+          f'executor={FLAGS.mode[len("grpc_"):]}; {FLAGS.num_layers} x FC({FLAGS.dim}), batch '
           f'{FLAGS.batch}, no remat; median of {FLAGS.reps} alternating reps')
   print(bench_lib.FormatTable(header + ['GPipe T2 K=2 Amoeba/Transf.'], rows))
   if threads:
