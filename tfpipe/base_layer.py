@@ -20,6 +20,7 @@ do not guarantee.
 import contextlib
 import dataclasses
 import inspect
+import numbers
 import threading
 from typing import Any
 
@@ -317,6 +318,7 @@ class DeferredStatsCollector:
     self._layers = {}
     self._devices = {}
 
+  @tf.autograph.experimental.do_not_convert
   def Add(self, layer, stats, count, device=None):
     """Records one micro-batch's statistics; `device` is where they were made.
 
@@ -332,6 +334,7 @@ class DeferredStatsCollector:
   def __len__(self):
     return len(self._records)
 
+  @tf.autograph.experimental.do_not_convert
   def Apply(self):
     """Applies every layer's merged statistics; returns the update ops (graph mode)."""
     updates = []
@@ -395,6 +398,17 @@ class BaseLayer(keras.layers.Layer):
   @property
   def p(self):
     return self._params
+
+  def CheckPositive(self, *names):
+    """Raises a ValueError naming every one of the params `names` that is not
+    > 0, so a bad size fails at construction, not in a shape error later."""
+    bad = [n for n in names
+           if not (isinstance(self.p.Get(n), numbers.Real) and
+                   self.p.Get(n) > 0)]
+    if bad:
+      received = ', '.join(f'{n}={self.p.Get(n)!r}' for n in bad)
+      raise ValueError(f'{self.p.name}: {" and ".join(names)} must be > 0; '
+                       f'received {received}.')
 
   # ---- children ---------------------------------------------------------
 

@@ -28,10 +28,11 @@ outputs and their gradients cross devices.
 
 `executor` picks how actions are issued (dispatch.py): 'graph' issues them
 inline, so a traced step is one graph that an accelerator's runtime
-overlaps; 'threads' issues each device's actions from its own thread, which
-is what overlaps stages on CPU devices and gRPC workers, where TensorFlow
-runs one graph's stages one after another. Inside a tf.function both are
-inline. Both give the same losses, gradients and statistics.
+overlaps; 'threads' issues each device's actions from its own thread, so
+the stages of local CPU devices overlap where one graph's would run one
+after another; it pays only for large actions (ChooseExecutor). Inside a
+tf.function both are inline. Both give the same losses, gradients and
+statistics.
 """
 
 import math
@@ -53,25 +54,37 @@ from tfpipe.gpipe import stage as stage_lib
 
 EXECUTORS = ('auto', 'graph', 'threads')
 
-# executor='auto' picks 'threads' on CPU devices and gRPC workers only when
+# executor='auto' picks 'threads' only on local CPU devices, and only when
 # one forward action (a cell on a micro-batch) costs at least this many
-# flops: a thread hand-off and function call cost a few hundred
-# microseconds, which cancels the overlap for smaller actions (see
+# flops. Below it the thread hand-off and the per-action function call cost
+# more than the overlap gains: measured on 2 logical CPU devices, K=2, M=4,
+# threads took 1.29x graph's step at 2.7e8 flops per action, 1.09-1.12x at
+# 1.1e9 and 0.96-1.02x at 4.3e9 (benchmarks/executor_choice.py;
 # benchmarks/RESULTS.md, "Choosing the executor").
-THREADS_MIN_FORWARD_FLOPS = 1e9
+THREADS_MIN_FORWARD_FLOPS = 4e9
 
 
 def ChooseExecutor(devices, forward_flops_per_action):
   """'graph' or 'threads' for executor='auto' (see the executor param).
+
+  'graph' unless the devices are two or more local CPU devices and one
+  forward action costs at least THREADS_MIN_FORWARD_FLOPS. GPU and TPU
+  runtimes overlap the stages of one graph themselves. On remote (gRPC)
+  workers each action of 'threads' is a remote function call, which cost
+  more than the overlap gained in every size measured on loopback
+  (benchmarks/pipeline_efficiency.py --mode=grpc_threads against
+  --mode=grpc_graph); pass executor='threads' to try it on your cluster.
 
   Args:
     devices: the pipeline's device names.
     forward_flops_per_action: the mean forward flops of one cell on one
       micro-batch, from the cells' cost model; None if unknown.
   """
-  kinds = {tf.DeviceSpec.from_string(d).device_type or 'CPU' for d in devices}
-  if kinds & {'GPU', 'TPU'}:
-    return 'graph'  # Their runtimes overlap the stages of one graph.
+  specs = [tf.DeviceSpec.from_string(d) for d in devices]
+  if any((s.device_type or 'CPU') != 'CPU' for s in specs):
+    return 'graph'
+  if any(s.job not in (None, 'localhost') for s in specs):
+    return 'graph'
   if len(set(devices)) < 2:
     return 'graph'  # One device: nothing to overlap.
   if forward_flops_per_action is None or (
@@ -198,10 +211,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('executor', 'auto', "How actions are issued: 'graph' inline, "
              'so a traced step is one graph (GPU and TPU runtimes overlap its '
              "stages); 'threads' from one thread per device when called "
-             'eagerly, which overlaps stages on CPU devices and gRPC workers, '
-             "where one graph's stages run one after another; 'auto' picks "
-             "'graph' on GPUs and TPUs and for small actions, else 'threads' "
-             '(see ChooseExecutor).')
+             'eagerly, which overlaps the stages of local CPU devices; '
+             "'auto' picks 'threads' only for large actions on local CPU "
+             "devices, else 'graph' (see ChooseExecutor).")
     return p
 
   @classmethod
@@ -325,6 +337,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         [d for devices in self._replica_devices for d in devices],
         self.num_replicas)
 
+  @tf.autograph.experimental.do_not_convert
   def build(self, input_shape):
     shape = input_shape
     for k, cell in enumerate(self.cells):
@@ -469,6 +482,10 @@ class PipeliningLayer(base_layer.BaseLayer):
                                for y in per_replica], self.p.batch_dim)
 
   # ---- entry points ------------------------------------------------------
+  # Entry points (and build) are marked do_not_convert: their Python control
+  # flow is trace-time logic, and a caller's tf.function, whose autograph
+  # converts what it calls recursively, would otherwise rewrite it (seen as
+  # order-dependent failures inside converted Keras build wrappers).
 
   @tf.autograph.experimental.do_not_convert
   def FProp(self, inputs, training=None):
@@ -543,6 +560,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         list(float_inputs) + [v.handle for v in variables], Backward)
     return rebuild(float_outputs)
 
+  @tf.autograph.experimental.do_not_convert
   def ComputeLossAndGradients(self, inputs, targets, loss_fn, training=True,
                               step=None, record_times=False):
     """One pipelined forward+backward over the batch.

@@ -87,9 +87,7 @@ class ReluConvBn(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.p
-    if p.in_channels <= 0 or p.out_channels <= 0:
-      raise ValueError(f'{p.name}: in_channels and out_channels must be > 0; '
-                       f'received {p.in_channels} and {p.out_channels}.')
+    self.CheckPositive('in_channels', 'out_channels')
     for name, child in _ReluConvBnChildren(p):
       self.CreateChild(name, child)
 

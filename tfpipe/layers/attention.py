@@ -132,8 +132,7 @@ class TransformerLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.p
-    if p.input_dim <= 0 or p.hidden_dim <= 0:
-      raise ValueError(f'{p.name}: input_dim and hidden_dim must be > 0.')
+    self.CheckPositive('input_dim', 'hidden_dim')
     for name, child in _ChildParams(p):
       self.CreateChild(name, child)
 

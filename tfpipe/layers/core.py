@@ -83,8 +83,7 @@ class FCLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.p
-    if p.input_dims <= 0 or p.output_dims <= 0:
-      raise ValueError(f'{p.name}: input_dims and output_dims must be > 0.')
+    self.CheckPositive('input_dims', 'output_dims')
     self._act = Activation(p.activation)
     self.w = self.CreateVariable('w', (p.input_dims, p.output_dims))
     self.b = (self.CreateVariable('b', (p.output_dims,), 'zeros')

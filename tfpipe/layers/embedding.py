@@ -29,8 +29,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.p
-    if p.vocab_size <= 0 or p.embedding_dim <= 0:
-      raise ValueError(f'{p.name}: vocab_size and embedding_dim must be > 0.')
+    self.CheckPositive('vocab_size', 'embedding_dim')
     # Unit-variance outputs after the optional sqrt(depth) scaling.
     initializer = keras.initializers.RandomNormal(
         stddev=1.0 / math.sqrt(p.embedding_dim), seed=p.random_seed)

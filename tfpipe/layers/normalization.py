@@ -29,8 +29,7 @@ class BatchNormLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.p
-    if p.dim <= 0:
-      raise ValueError(f'{p.name}: dim must be > 0.')
+    self.CheckPositive('dim')
     self.gamma = self.CreateVariable('gamma', (p.dim,), 'ones')
     self.beta = self.CreateVariable('beta', (p.dim,), 'zeros')
     self.moving_mean = self.CreateVariable(
@@ -109,8 +108,7 @@ class LayerNorm(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.p
-    if p.input_dim <= 0:
-      raise ValueError(f'{p.name}: input_dim must be > 0.')
+    self.CheckPositive('input_dim')
     self.scale = self.CreateVariable('scale', (p.input_dim,), 'ones')
     self.bias = self.CreateVariable('bias', (p.input_dim,), 'zeros')
 

@@ -190,9 +190,7 @@ class Seq2SeqEmbedding(base_layer.BaseLayer):
     if p.embedding_dim <= 0 or p.embedding_dim % 2:
       raise ValueError(f'{p.name}: embedding_dim must be even and > 0; '
                        f'received {p.embedding_dim}.')
-    if p.source_length <= 0:
-      raise ValueError(f'{p.name}: source_length must be > 0; received '
-                       f'{p.source_length}.')
+    self.CheckPositive('source_length')
     for name, child in _EmbeddingChildren(p):
       self.CreateChild(name, child)
 
@@ -269,9 +267,7 @@ class _Seq2SeqBlock(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.p
-    if p.input_dim <= 0 or p.hidden_dim <= 0:
-      raise ValueError(f'{p.name}: input_dim and hidden_dim must be > 0; '
-                       f'received {p.input_dim} and {p.hidden_dim}.')
+    self.CheckPositive('input_dim', 'hidden_dim')
     for name, child in self._Children(p):
       self.CreateChild(name, child)
 
