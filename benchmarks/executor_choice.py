@@ -2,7 +2,7 @@ r"""Where executor='threads' starts to beat executor='graph' on CPU devices.
 
 Why: executor='auto' (the PipeliningLayer default) picks 'threads' on two or
 more CPU devices only when one forward action (a cell on a micro-batch)
-costs at least gpipe.pipelining_layer.THREADS_MIN_FORWARD_FLOPS by the
+costs at least gpipe.dispatch.THREADS_MIN_FORWARD_FLOPS by the
 cells' cost model, and 'graph' below it (ChooseExecutor). The threshold is
 a guess until it is measured: 'threads' overlaps the stages, which one graph
 over logical CPU devices does not do, but every action costs a hand-off to a
@@ -42,7 +42,7 @@ from absl import app
 from absl import flags
 
 from benchmarks import bench_lib
-from tfpipe.gpipe import pipelining_layer
+from tfpipe.gpipe import dispatch
 
 tf = bench_lib.tf
 
@@ -99,7 +99,7 @@ def RunWidth(dim, devices):
            for executor in ('graph', 'threads', 'auto')}
   flops = _ForwardFlopsPerAction(pipes['graph'], x)
   pipe_devices = list(pipes['graph'].p.devices)
-  auto = pipelining_layer.ChooseExecutor(pipe_devices, flops)
+  auto = dispatch.ChooseExecutor(pipe_devices, flops)
   resolved = pipes['auto'].ResolvedExecutor(x)
   if resolved != auto:
     raise AssertionError(f"d={dim}: executor='auto' resolved to {resolved!r} "
@@ -130,7 +130,7 @@ def main(argv):
   for dim in [int(d) for d in FLAGS.dims]:
     print(f'== d={dim} ==', flush=True)
     results.append(RunWidth(dim, devices))
-  threshold = pipelining_layer.THREADS_MIN_FORWARD_FLOPS
+  threshold = dispatch.THREADS_MIN_FORWARD_FLOPS
   rows = [[f'{r["dim"]}', f'{r["forward_flops_per_action"]:.3g}',
            r['graph_s'] * 1e3, r['threads_s'] * 1e3, r['threads_over_graph'],
            r['auto']] for r in results]

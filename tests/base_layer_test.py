@@ -404,36 +404,6 @@ def test_recomputing_is_scoped_and_nests():
   assert not base_layer.IsRecomputing()
 
 
-# ---- shape helpers ----------------------------------------------------------
-
-
-def test_shape_helpers_on_nested_shapes():
-  nested = {'a': (None, 3), 'b': [(2,), (4, 5)]}
-  assert base_layer.LeafShapes(nested) == [(None, 3), (2,), (4, 5)]
-  assert base_layer.LeafShapes(tf.TensorShape([2, 3])) == [(2, 3)]
-  assert base_layer.NumElements(nested, batch_size=2) == 6 + 2 + 20
-  assert base_layer.NumElements((None, 3)) == 3
-  assert base_layer.NumElements(()) == 1
-  doubled = base_layer.MapShapes(lambda s: s + (2,), nested)
-  assert doubled == {'a': (None, 3, 2), 'b': [(2, 2), (4, 5, 2)]}
-  assert isinstance(doubled['b'], list)
-  pair = base_layer.MapShapes(lambda s: s[1:], ((1, 2), (3, 4)))
-  assert pair == ((2,), (4,))
-  with pytest.raises(TypeError, match='Not a shape'):
-    base_layer.MapShapes(lambda s: s, {'a': 'oops'})
-  assert base_layer.BatchDim(nested) is None
-  assert base_layer.BatchDim([(8, 3), (9,)]) == 8
-  assert base_layer.BatchDim(()) is None
-
-
-def test_sum_costs():
-  total = base_layer.SumCosts([
-      base_layer.CostMeta((None, 4), 10.0, 3, 8.0),
-      base_layer.CostMeta((None, 2), 5.0, 1, 4.0)])
-  assert total == base_layer.CostMeta((None, 2), 15.0, 4, 12.0)
-  assert base_layer.SumCosts([]).output_shape is None
-
-
 # ---- Keras integration ------------------------------------------------------
 
 

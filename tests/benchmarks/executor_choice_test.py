@@ -8,7 +8,7 @@ ChooseExecutor itself, so the reported pick is the one a user gets.
 import json
 
 from tests.benchmarks import script_runner
-from tfpipe.gpipe import pipelining_layer
+from tfpipe.gpipe import dispatch
 
 _DIMS = [16, 32]
 
@@ -25,11 +25,11 @@ def test_tiny_sweep_times_both_executors_and_reports_auto(tmp_path):
     assert r['graph_s'] > 0 and r['threads_s'] > 0, r
     assert r['forward_flops_per_action'] > 0, r
     assert len(set(r['devices'])) == 2, r
-    assert r['auto'] == pipelining_layer.ChooseExecutor(
+    assert r['auto'] == dispatch.ChooseExecutor(
         r['devices'], r['forward_flops_per_action']), r
   assert payload['threads_min_forward_flops'] == (
-      pipelining_layer.THREADS_MIN_FORWARD_FLOPS)
+      dispatch.THREADS_MIN_FORWARD_FLOPS)
   assert payload['environment']['cpu_count']
   assert 'K=2, M=4 on 2 logical CPU devices' in proc.stdout
   assert ('THREADS_MIN_FORWARD_FLOPS = '
-          f'{pipelining_layer.THREADS_MIN_FORWARD_FLOPS:.3g}') in proc.stdout
+          f'{dispatch.THREADS_MIN_FORWARD_FLOPS:.3g}') in proc.stdout

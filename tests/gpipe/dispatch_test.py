@@ -235,3 +235,21 @@ def test_mailbox_failure_wakes_every_waiting_thread():
     pipe.ComputeLossAndGradients(x, y, Failing)
   out = pipe.ComputeLossAndGradients(x, y, _Loss)
   assert np.isfinite(out.loss)
+
+
+def test_auto_executor_by_device_kind_and_action_size():
+  choose = dispatch.ChooseExecutor
+  big = dispatch.THREADS_MIN_FORWARD_FLOPS * 2
+  assert choose(['/GPU:0', '/GPU:1'], big) == 'graph'
+  assert choose(['/job:localhost/task:0/device:TPU:0', '/TPU:1'], big) == (
+      'graph')
+  assert choose(['/CPU:0', '/CPU:1'], big) == 'threads'
+  assert choose(['/job:localhost/replica:0/task:0/device:CPU:0',
+                 '/job:localhost/replica:0/task:0/device:CPU:1'], big) == (
+                     'threads')
+  # Remote workers: a remote call per action cost more than it gained.
+  assert choose(['/job:worker/task:0/device:CPU:0',
+                 '/job:worker/task:1/device:CPU:0'], big) == 'graph'
+  assert choose(['/CPU:0', '/CPU:1'], big / 100) == 'graph'
+  assert choose(['/CPU:0', '/CPU:1'], None) == 'graph'
+  assert choose(['/CPU:0', '/CPU:0'], big) == 'graph'

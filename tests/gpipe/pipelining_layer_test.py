@@ -506,24 +506,6 @@ def test_checkpoint_names_layers_not_cells_so_any_k_restores(tmp_path):
     np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
-def test_auto_executor_by_device_kind_and_action_size():
-  choose = gpipe.pipelining_layer.ChooseExecutor
-  big = gpipe.pipelining_layer.THREADS_MIN_FORWARD_FLOPS * 2
-  assert choose(['/GPU:0', '/GPU:1'], big) == 'graph'
-  assert choose(['/job:localhost/task:0/device:TPU:0', '/TPU:1'], big) == (
-      'graph')
-  assert choose(['/CPU:0', '/CPU:1'], big) == 'threads'
-  assert choose(['/job:localhost/replica:0/task:0/device:CPU:0',
-                 '/job:localhost/replica:0/task:0/device:CPU:1'], big) == (
-                     'threads')
-  # Remote workers: a remote call per action cost more than it gained.
-  assert choose(['/job:worker/task:0/device:CPU:0',
-                 '/job:worker/task:1/device:CPU:0'], big) == 'graph'
-  assert choose(['/CPU:0', '/CPU:1'], big / 100) == 'graph'
-  assert choose(['/CPU:0', '/CPU:1'], None) == 'graph'
-  assert choose(['/CPU:0', '/CPU:0'], big) == 'graph'
-
-
 def test_auto_executor_reads_the_cells_cost_model():
   small = _Pipeline(_LayerParams(4), 2, 2)  # 4x4 layers: tiny actions.
   assert small.p.executor == 'auto'

@@ -6,8 +6,9 @@ Data flows one way through the modules:
   forward, loss, backward, gradient accumulation; split_backward cuts the
   backward into B and W for zero-bubble schedules)  ->  runtime (one
   interpreter of the schedule for every entry point)  ->  dispatch (issue the
-  actions inline in one graph, or from one thread per device)  ->
-  pipelining_layer (the Keras layer users build).
+  actions inline in one graph, or from one thread per device, and which of
+  the two 'auto' means)  ->  pipelining_layer (the Keras layer users build;
+  cell_devices checks where its cells go).
 """
 
 from tfpipe import lazy_exports
@@ -15,6 +16,7 @@ from tfpipe import lazy_exports
 # Submodules are imported on first use: see tfpipe/lazy_exports.py.
 __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
     'cell': ['FeatureExtractionLayer'],
+    'cell_devices': ['DefaultDevices', 'ResolveDevices'],
     'dispatch': [],
     'microbatch': [],
     'partition': [
@@ -22,11 +24,7 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
         'FlattenSequentialLayers',
         'PartitionSequentialLayers',
     ],
-    'pipelining_layer': [
-        'DefaultDevices',
-        'PipeliningLayer',
-        'ResolveDevices',
-    ],
+    'pipelining_layer': ['PipeliningLayer'],
     'runtime': ['REMAT_POLICIES'],
     'schedule': [
         'GPipeSchedule',

@@ -26,6 +26,9 @@ and absent when not asked for: in a graph, `tf.timestamp` ops ordered after
 the action's inputs and before its device's next action; eagerly, host time
 after the inputs arrive and after the action's outputs exist (the outputs are
 read back, which waits for a GPU's kernels to finish).
+
+ChooseExecutor says which of the two executor='auto' means for a pipeline's
+devices and action size, from benchmarks/executor_choice.py's measurements.
 """
 
 import concurrent.futures
@@ -292,3 +295,42 @@ class Isolated:
                                 record_times).result()
     self.last_tokens = list(getattr(self._inner, 'last_tokens', []))
     return times
+
+
+# executor='auto' picks 'threads' only on local CPU devices, and only when
+# one forward action (a cell on a micro-batch) costs at least this many
+# flops. Below it the thread hand-off and the per-action function call cost
+# more than the overlap gains: measured on 2 logical CPU devices, K=2, M=4,
+# threads took 1.29x graph's step at 2.7e8 flops per action, 1.09-1.12x at
+# 1.1e9 and 0.96-1.02x at 4.3e9 (benchmarks/executor_choice.py;
+# benchmarks/RESULTS.md, "Choosing the executor").
+THREADS_MIN_FORWARD_FLOPS = 4e9
+
+
+def ChooseExecutor(devices, forward_flops_per_action):
+  """'graph' or 'threads' for executor='auto' (see the executor param).
+
+  'graph' unless the devices are two or more local CPU devices and one
+  forward action costs at least THREADS_MIN_FORWARD_FLOPS. GPU and TPU
+  runtimes overlap the stages of one graph themselves. On remote (gRPC)
+  workers each action of 'threads' is a remote function call, which cost
+  more than the overlap gained in every size measured on loopback
+  (benchmarks/pipeline_efficiency.py --mode=grpc_threads against
+  --mode=grpc_graph); pass executor='threads' to try it on your cluster.
+
+  Args:
+    devices: the pipeline's device names.
+    forward_flops_per_action: the mean forward flops of one cell on one
+      micro-batch, from the cells' cost model; None if unknown.
+  """
+  specs = [tf.DeviceSpec.from_string(d) for d in devices]
+  if any((s.device_type or 'CPU') != 'CPU' for s in specs):
+    return 'graph'
+  if any(s.job not in (None, 'localhost') for s in specs):
+    return 'graph'
+  if len(set(devices)) < 2:
+    return 'graph'  # One device: nothing to overlap.
+  if forward_flops_per_action is None or (
+      forward_flops_per_action < THREADS_MIN_FORWARD_FLOPS):
+    return 'graph'
+  return 'threads'

@@ -30,7 +30,7 @@ outputs and their gradients cross devices.
 inline, so a traced step is one graph that an accelerator's runtime
 overlaps; 'threads' issues each device's actions from its own thread, so
 the stages of local CPU devices overlap where one graph's would run one
-after another; it pays only for large actions (ChooseExecutor). Inside a
+after another; it pays only for large actions (dispatch.ChooseExecutor). Inside a
 tf.function both are inline. Both give the same losses, gradients and
 statistics.
 """
@@ -43,8 +43,8 @@ from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-dir
 
 from tfpipe import base_layer
 from tfpipe import device_names
-from tfpipe import devices as devices_lib
 from tfpipe import placement
+from tfpipe.gpipe import cell_devices
 from tfpipe.gpipe import dispatch as dispatch_lib
 from tfpipe.gpipe import microbatch
 from tfpipe.gpipe import partition
@@ -53,101 +53,6 @@ from tfpipe.gpipe import schedule as schedule_lib
 from tfpipe.gpipe import stage as stage_lib
 
 EXECUTORS = ('auto', 'graph', 'threads')
-
-# executor='auto' picks 'threads' only on local CPU devices, and only when
-# one forward action (a cell on a micro-batch) costs at least this many
-# flops. Below it the thread hand-off and the per-action function call cost
-# more than the overlap gains: measured on 2 logical CPU devices, K=2, M=4,
-# threads took 1.29x graph's step at 2.7e8 flops per action, 1.09-1.12x at
-# 1.1e9 and 0.96-1.02x at 4.3e9 (benchmarks/executor_choice.py;
-# benchmarks/RESULTS.md, "Choosing the executor").
-THREADS_MIN_FORWARD_FLOPS = 4e9
-
-
-def ChooseExecutor(devices, forward_flops_per_action):
-  """'graph' or 'threads' for executor='auto' (see the executor param).
-
-  'graph' unless the devices are two or more local CPU devices and one
-  forward action costs at least THREADS_MIN_FORWARD_FLOPS. GPU and TPU
-  runtimes overlap the stages of one graph themselves. On remote (gRPC)
-  workers each action of 'threads' is a remote function call, which cost
-  more than the overlap gained in every size measured on loopback
-  (benchmarks/pipeline_efficiency.py --mode=grpc_threads against
-  --mode=grpc_graph); pass executor='threads' to try it on your cluster.
-
-  Args:
-    devices: the pipeline's device names.
-    forward_flops_per_action: the mean forward flops of one cell on one
-      micro-batch, from the cells' cost model; None if unknown.
-  """
-  specs = [tf.DeviceSpec.from_string(d) for d in devices]
-  if any((s.device_type or 'CPU') != 'CPU' for s in specs):
-    return 'graph'
-  if any(s.job not in (None, 'localhost') for s in specs):
-    return 'graph'
-  if len(set(devices)) < 2:
-    return 'graph'  # One device: nothing to overlap.
-  if forward_flops_per_action is None or (
-      forward_flops_per_action < THREADS_MIN_FORWARD_FLOPS):
-    return 'graph'
-  return 'threads'
-
-
-def DefaultDevices(num_needed=None):
-  """Where a pipeline goes when `devices` is None.
-
-  Args:
-    num_needed: how many devices (cells x replicas). With fewer GPUs than
-      that, the GPUs are split into logical GPUs, as the trainer does, if
-      TensorFlow has not started yet (tfpipe.devices.EnsureLogicalDevices);
-      otherwise a ValueError says how to get them. None: every device of
-      the first kind there is.
-
-  Returns:
-    Device names: GPUs, else TPU cores, else (logical) CPU devices.
-  """
-  if num_needed is not None and not tf.config.list_logical_devices('TPU'):
-    return devices_lib.EnsureLogicalDevices(num_needed)
-  for kind in ('GPU', 'TPU', 'CPU'):
-    devices = tf.config.list_logical_devices(kind)
-    if devices:
-      return [d.name for d in devices]
-  return ['/CPU:0']
-
-
-def ResolveDevices(devices, num_cells, round_robin_placement=False):
-  """Checks device names and returns one device per cell.
-
-  Raises:
-    ValueError: naming an unknown device, or saying how to place more cells
-      than there are devices.
-  """
-  if devices is None:
-    devices = DefaultDevices(None if round_robin_placement else num_cells)
-  if not devices:
-    raise ValueError('devices is empty; list one device per cell or pass None.')
-  known = {device_names.CanonicalDevice(d.name): d.name
-           for d in tf.config.list_logical_devices()}
-  for d in devices:
-    try:
-      canonical = device_names.CanonicalDevice(d)
-    except ValueError as e:
-      raise ValueError(f'devices: cannot parse device name {d!r}: {e}') from e
-    if canonical not in known:
-      raise ValueError(
-          f'devices: unknown device {d!r}. Available devices: '
-          f'{sorted(known.values())}. On CPU, split the CPU into logical '
-          'devices with tf.config.set_logical_device_configuration (or the '
-          "trainer's --num_devices); for remote devices connect to the "
-          'cluster first.')
-  if len(devices) < num_cells and not round_robin_placement:
-    raise ValueError(
-        f'{num_cells} cells need {num_cells} devices but devices lists '
-        f'{len(devices)}: {devices}. Use fewer partitions, list more devices, '
-        'or set round_robin_placement=True to place cell k on '
-        'devices[k % len(devices)].')
-  return [devices[k % len(devices)] for k in range(num_cells)]
-
 
 def CellError(pipeline_name, cells, k, x, error):
   """A ValueError naming cell k, its input's shapes and the likely fix."""
@@ -213,7 +118,7 @@ class PipeliningLayer(base_layer.BaseLayer):
              "stages); 'threads' from one thread per device when called "
              'eagerly, which overlaps the stages of local CPU devices; '
              "'auto' picks 'threads' only for large actions on local CPU "
-             "devices, else 'graph' (see ChooseExecutor).")
+             "devices, else 'graph' (see dispatch.ChooseExecutor).")
     return p
 
   @classmethod
@@ -279,8 +184,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     self.CheckParams(p)
     num_cells = len(p.cell_tpl)
     interleaved = p.schedule == 'interleaved_1f1b'
-    all_devices = ResolveDevices(p.devices, num_cells * p.num_replicas,
-                                 p.round_robin_placement or interleaved)
+    all_devices = cell_devices.ResolveDevices(
+        p.devices, num_cells * p.num_replicas,
+        p.round_robin_placement or interleaved)
     # Replica r runs cell k on replica_devices[r][k]. Variables live with
     # replica 0; other replicas read them there and their gradients are
     # summed into one update, so the replicas can never drift apart.
@@ -378,7 +284,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     """The executor a step on `inputs` uses: p.executor, 'auto' resolved.
 
     'auto' is decided once per batch shape from the devices and the cells'
-    cost model (ChooseExecutor); the cost model is the params' FPropMeta, so
+    cost model (dispatch.ChooseExecutor); the cost model is the params' FPropMeta, so
     nothing runs to decide it.
     """
     if self.p.executor != 'auto':
@@ -386,7 +292,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     shape = tf.nest.map_structure(lambda t: tuple(t.shape), inputs)
     key = repr(shape)
     if key not in self._executors:
-      self._executors[key] = ChooseExecutor(
+      self._executors[key] = dispatch_lib.ChooseExecutor(
           [d for devices in self._replica_devices for d in devices],
           self._ForwardFlopsPerAction(shape))
     return self._executors[key]
