@@ -4,7 +4,9 @@ Protected properties: a second holder is refused with the first one's pid
 and host; a holder killed with SIGKILL leaves a lock that the next trainer
 takes over, saying so; an orderly release leaves nothing to take over; an
 unusable logdir (a file, under a file, unwritable) is a LogdirError naming
-it.
+it; a lock file that is a link (even a dangling one), not a regular file,
+another user's, or hard-linked is refused, and the file it stands for is
+neither truncated nor created.
 """
 
 import os
@@ -102,3 +104,69 @@ def test_unwritable_logdir_is_named(tmp_path):
     logdir_lock.PrepareLogdir(path)
   with pytest.raises(logdir_lock.LogdirError, match='is not writable'):
     logdir_lock.LogdirLock(path).Acquire()
+
+
+# ---- a lock file planted by someone else --------------------------------------
+
+
+def _Prepared(logdir):
+  logdir_lock.PrepareLogdir(str(logdir))
+
+
+def _Acquired(logdir):
+  logdir_lock.LogdirLock(str(logdir)).Acquire().Release()
+
+
+@pytest.mark.parametrize('use', [_Prepared, _Acquired],
+                         ids=['PrepareLogdir', 'LogdirLock'])
+def test_a_planted_link_is_refused_and_its_target_untouched(tmp_path, use):
+  # The issue's attack: a link planted in a shared logdir made the trainer
+  # truncate the file it points to.
+  logdir = tmp_path / 'lm'
+  logdir.mkdir()
+  target = tmp_path / 'important.txt'
+  target.write_text('keep me')
+  (logdir / logdir_lock.LOCK_FILE).symlink_to(target)
+  with pytest.raises(logdir_lock.LogdirError) as e:
+    use(logdir)
+  assert str(e.value).startswith(
+      f'{logdir / logdir_lock.LOCK_FILE} is a symbolic link (to '
+      f"'{target}'); the trainer does not write through links")
+  assert '--logdir' in str(e.value)
+  assert target.read_text() == 'keep me'
+
+
+@pytest.mark.parametrize('use', [_Prepared, _Acquired],
+                         ids=['PrepareLogdir', 'LogdirLock'])
+def test_a_dangling_link_is_refused_without_creating_its_target(tmp_path, use):
+  target = tmp_path / 'created_by_the_trainer'
+  (tmp_path / logdir_lock.LOCK_FILE).symlink_to(target)
+  with pytest.raises(logdir_lock.LogdirError, match='is a symbolic link'):
+    use(tmp_path)
+  assert not target.exists()
+
+
+def test_a_lock_file_that_is_not_this_users_regular_file_is_refused(
+    tmp_path, monkeypatch):
+  lock = tmp_path / logdir_lock.LOCK_FILE
+  other = tmp_path / 'other'
+  other.write_text('data')
+  os.link(other, lock)
+  with pytest.raises(logdir_lock.LogdirError,
+                     match=f'{lock} has 2 hard links'):
+    logdir_lock.LogdirLock(str(tmp_path)).Acquire()
+  assert other.read_text() == 'data'
+  lock.unlink()
+  os.mkfifo(lock)
+  with pytest.raises(logdir_lock.LogdirError,
+                     match=f'{lock} is not a regular file'):
+    logdir_lock.PrepareLogdir(str(tmp_path))
+  lock.unlink()
+  lock.write_text('pid=1 host=elsewhere since=then\n')
+  owner = os.geteuid()
+  monkeypatch.setattr(os, 'geteuid', lambda: owner + 1)
+  with pytest.raises(logdir_lock.LogdirError,
+                     match=f'{lock} belongs to user id {owner}, not to this '
+                     f'user \\({owner + 1}\\)'):
+    logdir_lock.LogdirLock(str(tmp_path)).Acquire()
+  assert lock.read_text() == 'pid=1 host=elsewhere since=then\n'

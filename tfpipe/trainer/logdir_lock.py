@@ -13,12 +13,20 @@ trainer that died holding it.
 Where flock is not supported (some network file systems), the pid and host
 decide alone: a holder on this host whose pid is gone is stale; a holder on
 another host is refused, and the message says how to clear it by hand.
+
+The trainer writes (and empties) the lock file, so it must be the file it
+looks like. A logdir under /tmp can be prepared by another local user: a
+symbolic link named trainer.lock would make the trainer truncate, or create,
+whatever file the link points to. So the file is opened without following a
+link (O_NOFOLLOW), and used only if it is a regular file owned by this user
+with no other hard link; anything else is refused, naming the path.
 """
 
 import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 
 LOCK_FILE = 'trainer.lock'
@@ -54,13 +62,64 @@ def PrepareLogdir(logdir):
   except OSError as e:
     raise LogdirError(f'--logdir={logdir}: cannot create it ({e.strerror}); '
                       'give a --logdir you can write to.') from None
-  try:
-    with open(os.path.join(logdir, LOCK_FILE), 'a'):
-      pass
-  except OSError as e:
-    raise LogdirError(f'--logdir={logdir} is not writable ({e.strerror}); '
-                      'give a --logdir you can write to.') from None
+  os.close(OpenLockFile(logdir))
   return logdir
+
+
+def OpenLockFile(logdir):
+  """A read-write descriptor of `<logdir>/trainer.lock`, created if missing.
+
+  Never follows a symbolic link, and refuses a file that is not a regular
+  file of this user's with a single link, so that writing it cannot touch
+  any other file.
+
+  Raises:
+    LogdirError: naming the path and what is wrong with it.
+  """
+  path = os.path.join(logdir, LOCK_FILE)
+  flags = (os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK |
+           os.O_CLOEXEC)
+  try:
+    fd = os.open(path, flags, 0o644)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise LogdirError(
+          f'{path} is a symbolic link (to {_LinkTarget(path)}); the trainer '
+          'does not write through links, which could truncate another file. '
+          'Remove it if you made it, or give another --logdir.') from None
+    raise LogdirError(f'--logdir={logdir} is not writable: cannot create '
+                      f'{path} ({e.strerror}); give a --logdir you can write '
+                      'to.') from None
+  try:
+    problem = _LockFileProblem(os.fstat(fd))
+  except BaseException:
+    os.close(fd)
+    raise
+  if problem:
+    os.close(fd)
+    raise LogdirError(f'{path} {problem}, so the trainer does not use it as '
+                      'its lock. Remove it if you made it, or give another '
+                      '--logdir.')
+  return fd
+
+
+def _LinkTarget(path):
+  try:
+    return repr(os.readlink(path))
+  except OSError:
+    return 'an unreadable target'
+
+
+def _LockFileProblem(st):
+  """What makes an opened file unfit to be the lock file, or None."""
+  if not stat.S_ISREG(st.st_mode):
+    return 'is not a regular file'
+  if st.st_uid != os.geteuid():
+    return (f'belongs to user id {st.st_uid}, not to this user '
+            f'({os.geteuid()})')
+  if st.st_nlink > 1:
+    return f'has {st.st_nlink} hard links (it is another file too)'
+  return None
 
 
 def _FirstFileAbove(path):
@@ -128,12 +187,7 @@ class LogdirLock:
       self._log(f'Note: {self.logdir} is not a local path; it is not locked '
                 'against a second trainer.')
       return self
-    try:
-      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-      raise LogdirError(f'--logdir={self.logdir} is not writable: cannot '
-                        f'create {self.path} ({e.strerror}); give a --logdir '
-                        'you can write to.') from None
+    fd = OpenLockFile(self.logdir)
     try:
       holder = self._Lock(fd)
       if holder is not None:
