@@ -2,7 +2,8 @@
 
 A user relies on: a loopback bind never turning into a server on the
 network (TensorFlow listens on 0.0.0.0, so it is refused outside a
-loopback-only namespace); the liveness probe telling an answering server
+loopback-only namespace); an empty, mistyped or foreign bind address being
+refused rather than taken for the choice to serve on the network; the liveness probe telling an answering server
 from a stopped one (which the kernel still accepts connections for) and from
 a closed port; and waits that end, naming the task that did not come up.
 Real servers are started by tests/launcher_test.py. Everything here binds to
@@ -146,3 +147,40 @@ def test_wait_for_tasks_names_a_process_that_exited_without_waiting_out():
     servers.WaitForTasks([('/job:worker/task:0', address)], timeout_s=30,
                          exit_status=lambda name: 2, hint='Read its log.')
   assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize('bind, why', [
+    ('', 'it is empty'), ('  ', 'it is empty'),
+    ('locahost', 'neither an IP address nor a name that resolves'),
+    ('127.0.0.l', 'neither an IP address nor a name that resolves'),
+    ('192.0.2.123', 'it stands for 192.0.2.123, which no interface'),
+    ('2001:db8::7', 'it stands for 2001:db8::7, which no interface')])
+def test_a_bind_address_that_is_not_this_hosts_is_refused(bind, why, capsys):
+  # These used to be taken for the choice to serve on every interface.
+  with pytest.raises(ValueError) as e:
+    servers.CheckBindAddress(bind, '127.0.0.1:2222', '/job:worker/task:0')
+  assert str(e.value).startswith(
+      f'/job:worker/task:0: --bind_address={bind!r} is not an address of '
+      'this host (')
+  assert why in str(e.value)
+  assert '0.0.0.0' in str(e.value)
+  assert not capsys.readouterr().err  # No "serving on the network" warning.
+
+
+@pytest.mark.parametrize('bind', ['0.0.0.0', '::', '[::]'])
+def test_every_interface_is_a_deliberate_network_bind(bind, capsys):
+  servers.CheckBindAddress(bind, '127.0.0.1:2222', '/job:worker/task:0')
+  assert 'no authentication' in capsys.readouterr().err
+
+
+def test_an_address_of_this_host_is_a_deliberate_network_bind(capsys):
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    try:
+      s.connect(('192.0.2.1', 9))  # No packet is sent: this picks a route.
+    except OSError:
+      pytest.skip('no route off this host')
+    own = s.getsockname()[0]
+  if own.startswith('127.'):
+    pytest.skip('no address of this host but loopback')
+  servers.CheckBindAddress(own, '127.0.0.1:2222', '/job:worker/task:0')
+  assert 'no authentication' in capsys.readouterr().err

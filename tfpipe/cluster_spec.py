@@ -10,6 +10,9 @@ run before it loads); only `ParseClusterSpec` builds a tf.train.ClusterSpec.
 `IsLoopbackAddress` decides by address, not by spelling, whether a host is
 loopback: the servers refuse a loopback bind they cannot honour
 (tfpipe.servers), and a wrong answer there would serve on the network.
+`BindAddressProblem` refuses a bind address that is not one of this host's
+(an empty or mistyped one), which would otherwise be taken for the choice to
+serve on the network.
 """
 
 import ipaddress
@@ -157,7 +160,48 @@ def _ResolvedAddresses(host):
       infos = socket.getaddrinfo(name, None)
     except (socket.gaierror, UnicodeError, OSError):
       return []
-  return [ipaddress.ip_address(info[4][0].split('%')[0]) for info in infos]
+  addresses = [ipaddress.ip_address(info[4][0].split('%')[0])
+               for info in infos]
+  return list(dict.fromkeys(addresses))  # One per address, in order.
+
+
+def _IsLoopback(address):
+  if getattr(address, 'ipv4_mapped', None) is not None:
+    address = address.ipv4_mapped
+  return address.is_loopback
+
+
+def _CanBind(address):
+  """True if a socket can bind to `address` here: an address of this host."""
+  family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+      s.bind((str(address), 0))
+  except OSError:
+    return False
+  return True
+
+
+def BindAddressProblem(host):
+  """None if `host` is an address a server of this host can mean, else why.
+
+  Accepted: loopback, the unspecified addresses ('0.0.0.0', '::': every
+  interface), and names or addresses that resolve only to addresses of this
+  host (ones a socket can bind to). A name that does not resolve, such as a
+  mistyped 'locahost' or '127.0.0.l', is not an address of this host.
+  """
+  text = str(host).strip()
+  if not text:
+    return 'it is empty'
+  addresses = _ResolvedAddresses(text)
+  if not addresses:
+    return 'it is neither an IP address nor a name that resolves'
+  foreign = [str(a) for a in addresses
+             if not (_IsLoopback(a) or a.is_unspecified or _CanBind(a))]
+  if foreign:
+    return (f'it stands for {", ".join(foreign)}, which no interface of this '
+            'host has')
+  return None
 
 
 def IsLoopbackAddress(host):
@@ -168,9 +212,4 @@ def IsLoopbackAddress(host):
   resolve is not.
   """
   addresses = _ResolvedAddresses(str(host))
-  for a in addresses:
-    if getattr(a, 'ipv4_mapped', None) is not None:
-      a = a.ipv4_mapped
-    if not a.is_loopback:
-      return False
-  return bool(addresses)
+  return bool(addresses) and all(_IsLoopback(a) for a in addresses)

@@ -40,15 +40,23 @@ def CheckBindAddress(bind_address, address, what):
 
   Args:
     bind_address: --bind_address: a loopback address, or the explicit choice
-      of a routable one ('0.0.0.0' or the host's address).
+      to serve on the network ('0.0.0.0', '::' or an address of this host).
     address: this task's 'host:port' in the cluster spec.
     what: the task, for messages.
 
   Raises:
-    ValueError: a loopback bind outside a loopback-only network namespace,
-      or a loopback bind for a task whose address is not loopback.
+    ValueError: a bind address that is none of these (empty, mistyped, or
+      another host's); a loopback bind outside a loopback-only network
+      namespace, or for a task whose address is not loopback.
   """
   host, _ = cluster_spec_lib.SplitAddress(address, what)
+  problem = cluster_spec_lib.BindAddressProblem(bind_address)
+  if problem:
+    raise ValueError(
+        f'{what}: --bind_address={bind_address!r} is not an address of this '
+        f'host ({problem}). Give 127.0.0.1 (this host only), 0.0.0.0 or :: '
+        '(serve on the network on purpose), or one of this host\'s '
+        'addresses.')
   if not cluster_spec_lib.IsLoopbackAddress(bind_address):
     print(f'{what}: --bind_address={bind_address}: TensorFlow\'s gRPC server '
           f'listens on every interface of this host at {address}, with no '
