@@ -6,8 +6,9 @@ different workers equal the single-process run; a worker killed mid-training
 stops the controller within the watchdog's bound with an error naming the
 task and its address; a restart resumes from the checkpoint with the losses
 of an uninterrupted run; R=2 replicas x K=2 stages on 4 workers train like
-one pipeline; no process outlives its launcher. The launcher keeps every
-server in a loopback-only network namespace.
+one pipeline; no process outlives its launcher, and a SIGTERM or SIGINT to
+the launcher's pid stops the whole job at once with status 128 + signal. The
+launcher keeps every server in a loopback-only network namespace.
 """
 # bazel: deps=//params,//tfpipe:launcher,//tfpipe/trainer:__main__
 
@@ -32,6 +33,8 @@ _STEP_RE = re.compile(r'^step (\d+)/\d+ loss=(\S+)')
 _STARTED_RE = re.compile(r'^launcher: (?:started (.*) )?pid=(\d+)')
 _LAUNCH_TIMEOUT_S = 240
 _DETECTION_BOUND_S = 30
+# Seconds from a signal to the launcher until it and every child are gone.
+_STOP_BOUND_S = 8
 
 
 def _Losses(lines):
@@ -201,6 +204,30 @@ def test_replicas_times_stages_on_four_workers(tmp_path, baseline):
   checkpoints = os.listdir(tmp_path / 'lm' / train_loop.CHECKPOINT_DIR)
   assert 'ckpt-6.index' in checkpoints
 
+
+
+@pytest.mark.parametrize('sig, when', [
+    (signal.SIGTERM, r'^step 2/'), (signal.SIGINT, r'^launcher: started worker')],
+                         ids=['SIGTERM-while-training', 'SIGINT-at-start'])
+def test_a_signal_to_the_launchers_pid_stops_the_job(tmp_path, sig, when):
+  # `timeout`, schedulers and subprocess.terminate() signal this pid. It was
+  # unshare's, which ignored the signal: the job trained on and exited 0.
+  launch = _Launch(tmp_path / 'lm', num_workers=2, max_steps=100000)
+  try:
+    launch.WaitForLine(when, _LAUNCH_TIMEOUT_S)
+    assert launch.pids['launcher'] == launch.proc.pid
+    launch.proc.send_signal(sig)
+    sent = time.monotonic()
+    code = launch.Wait(_STOP_BOUND_S + 30)
+    stop_s = time.monotonic() - sent
+    alive = [pid for pid in launch.pids.values() if _Alive(pid)]
+  finally:
+    launch.Kill()
+  assert code == 128 + sig, launch.Text()
+  assert stop_s <= _STOP_BOUND_S, stop_s
+  assert not alive, f'processes left behind: {alive} of {launch.pids}'
+  assert f'launcher: {sig.name} received; stopping every process' in (
+      launch.Text())
 
 
 def test_the_launcher_starts_without_loading_tensorflow():

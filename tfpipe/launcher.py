@@ -11,14 +11,16 @@ TensorFlow's gRPC servers listen on every interface and have no
 authentication, so the launcher first moves itself into a new network
 namespace that holds only loopback (tfpipe.network_namespace: `unshare --net
 --map-root-user`, no root needed): nothing it starts can be reached from, or
-reach, the network.
+reach, the network. It keeps its process id in the namespace, so a SIGINT
+or SIGTERM sent to it (by `timeout`, a scheduler or
+`subprocess.terminate()`) stops the job.
 
 Every wait is bounded and no child outlives the launcher
 (tfpipe.local_cluster): children run in their own process groups, which are
 killed on exit, on SIGINT/SIGTERM/SIGHUP and (through PR_SET_PDEATHSIG) when
 the launcher itself is killed. The launcher exits with the controller's
-status, or nonzero if a worker failed to start or the controller did not
-stop after losing a worker.
+status, 128 + the signal's number after a signal, or nonzero if a worker
+failed to start or the controller did not stop after losing a worker.
 
 Its children hide TensorFlow's C++ start-up log (tfpipe.quiet); the
 launcher's --verbosity=1 is passed on to the workers and, unless the
@@ -55,6 +57,8 @@ FLAGS = flags.FLAGS
 
 
 def _OnSignal(signum, unused_frame):
+  print(f'launcher: {signal.Signals(signum).name} received; stopping every '
+        'process of the job.', file=sys.stderr, flush=True)
   raise SystemExit(128 + signum)
 
 

@@ -52,8 +52,12 @@ def EnterLoopbackNamespace(module, argv):
 
   In one already: brings lo up and returns. Otherwise replaces this process
   (os.execv, so it never returns) with `python -m module argv[1:]` under
-  `unshare --net --map-root-user`; unshare's --kill-child ends the program
-  when unshare itself is killed.
+  `unshare --net --map-root-user`. unshare runs without --fork: it enters
+  the namespaces and executes the program in its own process, so the
+  program keeps this process's id and gets every signal sent to it. (With
+  --fork, as --kill-child implies, the id that schedulers, `timeout` and the
+  shell signal would be unshare's, and unshare ignores SIGINT and SIGTERM
+  while it waits for its child.)
 
   Args:
     module: the program's module, as `python -m` takes it.
@@ -78,6 +82,5 @@ def EnterLoopbackNamespace(module, argv):
   os.environ[NAMESPACE_ENV] = '1'
   sys.stdout.flush()
   sys.stderr.flush()
-  os.execv(unshare, [unshare, '--net', '--map-root-user',
-                     '--kill-child=SIGTERM', sys.executable, '-m', module] +
-           list(argv[1:]))
+  os.execv(unshare, [unshare, '--net', '--map-root-user', sys.executable,
+                     '-m', module] + list(argv[1:]))
