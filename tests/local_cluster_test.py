@@ -1,8 +1,8 @@
 """Tests of tfpipe.local_cluster: ports, children that never outlive the program, workers.
 
 A user relies on: a local spec whose tasks do not collide; no process left
-behind, whether the program closes its children, or is itself killed (even
-by SIGKILL, which runs no clean-up); and a worker start-up that ends,
+behind, whether the program closes its children (a stopped one at once), or
+is itself killed (even by SIGKILL, which runs no clean-up); and a worker start-up that ends,
 naming a worker that exited before serving. The children here are small
 Python processes (no TensorFlow), each bounded in time.
 """
@@ -95,6 +95,31 @@ def test_close_ends_every_child_and_what_it_started(capsys):
   assert proc.poll() is not None
   assert not _WaitGone([grandchild])
   assert f'test: started spawner pid={proc.pid}' in capsys.readouterr().out
+
+
+# A child that cleans up on SIGTERM, as TensorFlow's processes do.
+_TERM_HANDLER = '''
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *unused: sys.exit(0))
+print('ready', flush=True)
+time.sleep(60)
+'''
+
+
+def test_close_ends_a_stopped_child_at_once():
+  # A worker stopped with SIGSTOP cannot act on SIGTERM: it used to take
+  # the whole KILL_WAIT_S and a SIGKILL to end.
+  children = local_cluster.ChildProcesses('test')
+  try:
+    proc = children.Start('stopped', [sys.executable, '-c', _TERM_HANDLER],
+                          stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == 'ready\n'
+    os.kill(proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+  finally:
+    children.Close()
+  assert time.monotonic() - start < local_cluster.KILL_WAIT_S / 2
+  assert proc.returncode == 0  # Its own SIGTERM handler ended it.
 
 
 def test_children_die_with_the_program_even_when_it_is_killed():

@@ -8,7 +8,8 @@ the workers; that R replicas compute the gradients of one pipeline over the
 same batch; that the controller routes checkpoint IO through its own CPU;
 that Run stops its watchdog; and that the watchdog reports a lost worker
 (against sockets that accept but never answer, which is what a stopped
-worker looks like) within its bound. The server calls that would touch the
+worker looks like) within its bound, from the moment the controller
+connects. The server calls that would touch the
 network are replaced by recorders (tests/launcher_test.py covers real
 servers). Everything binds to 127.0.0.1 only.
 """
@@ -55,6 +56,8 @@ def _Calls(monkeypatch):
       calls.append(('connect',) + args)))
   monkeypatch.setattr(servers, 'Serve', lambda *args: (
       calls.append(('serve',) + args)))
+  monkeypatch.setattr(multihost.Watchdog, 'Start', lambda self: (
+      calls.append(('watchdog', self.tasks))))
   return calls
 
 
@@ -134,9 +137,11 @@ def test_set_up_controller_places_replicas_on_workers(monkeypatch, calls, capsys
       '/job:worker/replica:0/task:1/device:CPU:1']
   workers = [('/job:worker/task:0', '127.0.0.1:2'),
              ('/job:worker/task:1', '127.0.0.1:3')]
-  assert [c[0] for c in calls] == ['wait', 'connect']  # Wait, then connect.
+  # Wait, watch, then connect: the watchdog covers the connection onward.
+  assert [c[0] for c in calls] == ['wait', 'watchdog', 'connect']
   assert calls[0][1] == workers and 0 < calls[0][2] <= 120
-  assert calls[1][2:] == ('controller', 0, '127.0.0.1')
+  assert calls[1][1] == workers
+  assert calls[2][2:] == ('controller', 0, '127.0.0.1')
   assert controller.workers == workers
   assert controller.io_device == '/job:controller/replica:0/task:0/device:CPU:0'
   assert controller.watchdog.tasks == workers
@@ -214,6 +219,43 @@ def test_watchdog_reports_the_lost_worker_within_its_bound(stopped):
   assert time.monotonic() - start <= watchdog.bound_s + 1
   assert lost[0].startswith(
       f'Worker /job:worker/task:1 at {address} is unreachable')
+
+
+@pytest.mark.parametrize('frozen_at', ['connecting', 'before the first step'])
+def test_a_worker_frozen_after_the_controller_connects_ends_the_run(
+    monkeypatch, frozen_at):
+  # A worker stopped while the controller connected, built its remote
+  # variables or restored a checkpoint hung the launcher for minutes: the
+  # watchdog started only with the first step.
+  monkeypatch.delenv('TF_CONFIG', raising=False)
+  worker = servers_test.SettingsServer()  # Answers as a live server does.
+  lost = []
+  ended = threading.Event()
+  monkeypatch.setattr(multihost, 'AbortWorkerLost',
+                      lambda message: (lost.append(message), ended.set()))
+  values = _FlagValues(monkeypatch, [
+      '--job=controller', '--cluster_spec=controller=127.0.0.1:1;'
+      f'worker={worker.address}', '--watchdog_interval_s=0.2',
+      '--watchdog_timeout_s=0.3', '--watchdog_max_failures=2'])
+  bound_s = 2 * (0.2 + 0.3)
+
+  def Hang():  # What TensorFlow's call to a stopped worker does.
+    worker.Freeze()
+    frozen[0] = time.monotonic()
+    assert ended.wait(bound_s + 5), 'the watchdog did not end the run'
+  frozen = [None]
+  monkeypatch.setattr(servers, 'ConnectToCluster', lambda *args: (
+      Hang() if frozen_at == 'connecting' else None))
+  try:
+    controller = multihost.SetUpController(values, _Params(num_partitions=1))
+    if frozen_at != 'connecting':
+      Hang()  # Building the trainer, or restoring its checkpoint.
+    controller.watchdog.Stop()
+  finally:
+    worker.close()
+  assert time.monotonic() - frozen[0] <= bound_s + 1
+  assert lost[0].startswith(f'Worker /job:worker/task:0 at {worker.address} '
+                            'is unreachable (no answer within 0.3s)')
 
 
 def test_watchdog_leaves_an_answering_worker_alone():

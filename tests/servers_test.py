@@ -57,9 +57,13 @@ class SettingsServer(SilentServer):
       with connection:
         connection.sendall(self.frame)
 
-  def close(self):
+  def Freeze(self):
+    """Stops answering but keeps accepting: a worker stopped by SIGSTOP."""
     self._stop.set()
     self._thread.join(timeout=5)
+
+  def close(self):
+    self.Freeze()
     super().close()
 
 

@@ -109,6 +109,7 @@ class ChildProcesses:
     alive = [p for _, p in self.children if p.poll() is None]
     for p in alive:
       _KillGroup(p, signal.SIGTERM)
+      _KillGroup(p, signal.SIGCONT)  # A stopped process acts on it now.
     deadline = time.monotonic() + KILL_WAIT_S
     for p in alive:
       try:

@@ -21,7 +21,9 @@ workers:
 * RPCs to a worker that is stopped or unreachable can hang for minutes, so
   the controller runs a `Watchdog` that probes every worker
   (servers.ProbeGrpc) and aborts the process with an error naming the task
-  and its address when one stops answering.
+  and its address when one stops answering. It starts before the controller
+  connects and runs until the controller ends: connecting, creating the
+  remote variables and restoring a checkpoint talk to the workers too.
 * Tearing down an eager context whose workers died can hang too, so fatal
   cluster errors end the process with `os._exit` (status EXIT_WORKER_LOST).
 
@@ -136,8 +138,9 @@ def SetUpController(flag_values, params):
 
   Sets params.task.pipeline.devices to its R*K worker devices
   (task.pipeline.num_replicas replicas of num_partitions stages), prints the
-  device mesh, and returns a Controller; without a cluster returns None.
-  Must run after the local devices are configured.
+  device mesh, and returns a Controller whose watchdog already runs (it
+  watches the connection itself); without a cluster returns None. Must run
+  after the local devices are configured.
   """
   pipeline = params.task.pipeline
   num_replicas = pipeline.num_replicas
@@ -150,13 +153,15 @@ def SetUpController(flag_values, params):
     raise ValueError(f'--cluster_spec has no "{cluster_spec.WORKER_JOB}" '
                      'job; list the workers the pipeline runs on.')
   servers.WaitForTasks(workers, timeout_s=60.0)
+  controller = Controller(flag_values, spec, job, task)
+  controller.watchdog.Start()
   servers.ConnectToCluster(spec, job, task, flag_values.bind_address)
   devices = device_names.PipelineDevices(
       pipeline.num_partitions, len(workers), num_replicas,
       devices_per_worker=flag_values.devices_per_worker)
   pipeline.devices = devices
   print(device_names.DeviceMeshText(devices, num_replicas), flush=True)
-  return Controller(flag_values, spec, job, task)
+  return controller
 
 
 # ---- the controller's watch over its workers ---------------------------------
@@ -220,9 +225,11 @@ class Watchdog:
         return
 
   def Start(self):
-    self._thread = threading.Thread(target=self._Run, name='tfpipe-watchdog',
-                                    daemon=True)
-    self._thread.start()
+    """Starts probing (once: a running watchdog is left as it is)."""
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._Run,
+                                      name='tfpipe-watchdog', daemon=True)
+      self._thread.start()
     return self
 
   def Stop(self):
@@ -241,7 +248,7 @@ def AbortWorkerLost(message):
 def RunController(fn, tasks, watchdog=None):
   """Runs fn() with a watchdog; a lost worker ends the process clearly.
 
-  Connection errors raised by TensorFlow (UnavailableError and friends) are
+  The watchdog is started if it is not running yet. Connection errors raised by TensorFlow (UnavailableError and friends) are
   traced to the worker that no longer answers, reported, and the process
   exits with EXIT_WORKER_LOST.
   """
