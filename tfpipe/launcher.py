@@ -37,6 +37,7 @@ from absl import app
 from absl import flags
 
 from tfpipe import cluster_spec
+from tfpipe import command_line
 from tfpipe import local_cluster
 from tfpipe import multihost
 from tfpipe import network_namespace
@@ -144,7 +145,7 @@ def main(argv):
 
 
 def run():
-  app.run(main)
+  command_line.Run(main)
 
 
 if __name__ == '__main__':

@@ -288,6 +288,6 @@ def _WorkerMain(argv):
 
 
 if __name__ == '__main__':
-  from absl import app as _app  # pylint: disable=g-import-not-at-top
+  from tfpipe import command_line  # pylint: disable=g-import-not-at-top
   DefineFlags(controller_flags=False)
-  sys.exit(_app.run(_WorkerMain))
+  command_line.Run(_WorkerMain)

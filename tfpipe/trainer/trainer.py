@@ -25,6 +25,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tfpipe import command_line
 from tfpipe import devices
 from tfpipe import multihost
 from tfpipe import quiet
@@ -322,7 +323,7 @@ def main(argv):
 
 def run():
   """Console entry point of `tfpipe-train`."""
-  app.run(main)
+  command_line.Run(main)
 
 
 if __name__ == '__main__':
