@@ -54,7 +54,7 @@ def _Calls(monkeypatch):
       calls.append(('wait', list(tasks), timeout_s))))
   monkeypatch.setattr(servers, 'ConnectToCluster', lambda *args: (
       calls.append(('connect',) + args)))
-  monkeypatch.setattr(servers, 'Serve', lambda *args: (
+  monkeypatch.setattr(servers, 'Serve', lambda *args, why='': (
       calls.append(('serve',) + args)))
   monkeypatch.setattr(multihost.Watchdog, 'Start', lambda self: (
       calls.append(('watchdog', self.tasks))))
@@ -119,6 +119,43 @@ def test_only_workers_serve(monkeypatch, calls):
   assert (what, job, task, bind, devices) == ('serve', 'worker', 1,
                                               '127.0.0.1', 2)
   assert spec.as_dict()['controller'] == ['127.0.0.1:1']
+
+
+_STALE_TF_CONFIG = json.dumps({'cluster': {'worker': ['host1:2222', 'host2:2222']},
+                               'task': {'type': 'worker', 'index': 0}})
+
+
+def test_a_stale_tf_config_is_named_as_the_source(monkeypatch):
+  # A TF_CONFIG left by another job made a one-process trainer a worker,
+  # and its error never said why.
+  monkeypatch.setenv('TF_CONFIG', _STALE_TF_CONFIG)
+  with pytest.raises(ValueError) as e:
+    multihost.MaybeServe(_FlagValues(monkeypatch))
+  message = str(e.value)
+  assert message.startswith('/job:worker/task:0 is at host1:2222, not a '
+                            'loopback address')
+  assert message.endswith(
+      "The cluster and this process's role come from TF_CONFIG in the "
+      f'environment ({_STALE_TF_CONFIG}): unset TF_CONFIG to train in one '
+      'process, or correct it.')
+  controller = json.dumps({'cluster': {'controller': ['127.0.0.1:1'],
+                                       'worker': ['127.0.0.1:2']},
+                           'task': {'type': 'controller'}})
+  monkeypatch.setenv('TF_CONFIG', controller)
+
+  def NoWorker(tasks, timeout_s):
+    raise TimeoutError(f'1 task(s) did not start serving within {timeout_s}s.')
+  monkeypatch.setattr(servers, 'WaitForTasks', NoWorker)
+  with pytest.raises(TimeoutError, match=r'within 60.0s. The cluster and this '
+                     r"process's role come from TF_CONFIG"):
+    multihost.SetUpController(_FlagValues(monkeypatch), _Params())
+  # A cluster given by the flags is not TF_CONFIG's, even with one set.
+  flagged = _FlagValues(monkeypatch, ['--job=controller',
+                                      f'--cluster_spec={_SPEC}'])
+  assert multihost.TfConfigNote(flagged) == ''
+  with pytest.raises(TimeoutError) as e:
+    multihost.SetUpController(flagged, _Params())
+  assert 'TF_CONFIG' not in str(e.value)
 
 
 def test_set_up_controller_places_replicas_on_workers(monkeypatch, calls, capsys):

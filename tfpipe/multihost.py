@@ -31,6 +31,7 @@ workers:
 plain worker the launcher starts (the trainer's --job=worker does the same).
 """
 
+import contextlib
 import functools
 import os
 import sys
@@ -91,14 +92,46 @@ def ClusterFromFlags(flag_values, environ=None):
   return resolved
 
 
+def TfConfigNote(flag_values, environ=None):
+  """A sentence naming TF_CONFIG if it, not --cluster_spec, gave the cluster.
+
+  A TF_CONFIG left in the environment by another job turns a one-process
+  trainer into a cluster task; its errors must say where that came from.
+
+  Returns:
+    The sentence, or '' when TF_CONFIG is not the source.
+  """
+  environ = os.environ if environ is None else environ
+  text = environ.get('TF_CONFIG', '')
+  if flag_values.cluster_spec or not text:
+    return ''
+  shown = text if len(text) <= 160 else text[:157] + '...'
+  return (f'The cluster and this process\'s role come from TF_CONFIG in the '
+          f'environment ({shown}): unset TF_CONFIG to train in one process, '
+          'or correct it.')
+
+
+@contextlib.contextmanager
+def _NamingTfConfig(flag_values):
+  """Adds TfConfigNote to the errors raised inside (same types)."""
+  note = TfConfigNote(flag_values)
+  try:
+    yield note
+  except (ValueError, RuntimeError, TimeoutError) as e:
+    if not note:
+      raise
+    raise type(e)(f'{e.args[0] if e.args else e} {note}') from None
+
+
 def MaybeServe(flag_values):
   """Serves forever if this process is a worker; False otherwise."""
-  resolved = ClusterFromFlags(flag_values)
-  if resolved is None or resolved[1] == cluster_spec.CONTROLLER_JOB:
-    return False
-  spec, job, task = resolved
-  servers.Serve(spec, job, task, flag_values.bind_address,
-                flag_values.devices_per_worker)
+  with _NamingTfConfig(flag_values) as note:
+    resolved = ClusterFromFlags(flag_values)
+    if resolved is None or resolved[1] == cluster_spec.CONTROLLER_JOB:
+      return False
+    spec, job, task = resolved
+    servers.Serve(spec, job, task, flag_values.bind_address,
+                  flag_values.devices_per_worker, why=note)
   return True
 
 
@@ -144,18 +177,19 @@ def SetUpController(flag_values, params):
   """
   pipeline = params.task.pipeline
   num_replicas = pipeline.num_replicas
-  resolved = ClusterFromFlags(flag_values)
-  if resolved is None:
-    return None
-  spec, job, task = resolved
-  workers = cluster_spec.JobTasks(spec, cluster_spec.WORKER_JOB)
-  if not workers:
-    raise ValueError(f'--cluster_spec has no "{cluster_spec.WORKER_JOB}" '
-                     'job; list the workers the pipeline runs on.')
-  servers.WaitForTasks(workers, timeout_s=60.0)
-  controller = Controller(flag_values, spec, job, task)
-  controller.watchdog.Start()
-  servers.ConnectToCluster(spec, job, task, flag_values.bind_address)
+  with _NamingTfConfig(flag_values):
+    resolved = ClusterFromFlags(flag_values)
+    if resolved is None:
+      return None
+    spec, job, task = resolved
+    workers = cluster_spec.JobTasks(spec, cluster_spec.WORKER_JOB)
+    if not workers:
+      raise ValueError(f'--cluster_spec has no "{cluster_spec.WORKER_JOB}" '
+                       'job; list the workers the pipeline runs on.')
+    servers.WaitForTasks(workers, timeout_s=60.0)
+    controller = Controller(flag_values, spec, job, task)
+    controller.watchdog.Start()
+    servers.ConnectToCluster(spec, job, task, flag_values.bind_address)
   devices = device_names.PipelineDevices(
       pipeline.num_partitions, len(workers), num_replicas,
       devices_per_worker=flag_values.devices_per_worker)

@@ -123,13 +123,17 @@ def StartServer(cluster_spec, job, task, bind_address='127.0.0.1',
 
 
 def Serve(cluster_spec, job, task, bind_address='127.0.0.1', num_devices=1,
-          **thread_options):
-  """Starts the server (StartServer's arguments) and serves until killed."""
+          why='', **thread_options):
+  """Starts the server (StartServer's arguments) and serves until killed.
+
+  `why`, if given, ends the line that says it serves (e.g. that TF_CONFIG
+  made this process a worker).
+  """
   server = StartServer(cluster_spec, job, task, bind_address, num_devices,
                        **thread_options)
   print(f'Serving {cluster_spec_lib.TaskName(job, task)} at '
         f'{_TaskAddress(cluster_spec, job, task)} with {num_devices} CPU '
-        'device(s).', flush=True)
+        'device(s).' + (f' {why}' if why else ''), flush=True)
   server.join()
 
 
