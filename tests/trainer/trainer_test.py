@@ -197,6 +197,21 @@ def test_more_partitions_than_devices(flags_reset):
     trainer.CheckDevices(p)
 
 
+def test_num_devices_below_partitions_times_replicas_names_both(flags_reset):
+  # It used to say that TensorFlow had started with too few devices.
+  del flags_reset
+  _Parse('--num_devices=1', '--num_partitions=2')
+  p = trainer.BuildParams()
+  with pytest.raises(app.UsageError) as e:
+    trainer.CheckDevices(p)
+  assert str(e.value).startswith(
+      '--num_devices=1 is below task.pipeline.num_partitions x num_replicas '
+      '= 2 x 1 = 2: ')
+  _Parse('--num_devices=2', '--num_partitions=4', '--schedule=interleaved_1f1b')
+  # Round-robin placement shares devices: no refusal.
+  assert len(trainer.CheckDevices(trainer.BuildParams())) == 4
+
+
 def test_train_needs_logdir(flags_reset):
   del flags_reset
   _Parse()

@@ -52,6 +52,12 @@ def EvalParams():
   return p
 
 
+def SharesDevices(pipeline_p):
+  """True if the pipeline places cells round-robin on fewer devices."""
+  return bool(pipeline_p.round_robin_placement or
+              pipeline_p.schedule == 'interleaved_1f1b')
+
+
 def PipelineDevices(pipeline_p, prefix='task.pipeline'):
   """The R*K devices of the pipeline `pipeline_p` describes, checked.
 
@@ -63,10 +69,8 @@ def PipelineDevices(pipeline_p, prefix='task.pipeline'):
   """
   needed = pipeline_p.num_partitions * pipeline_p.num_replicas
   try:
-    devices = gpipe.ResolveDevices(
-        pipeline_p.devices, needed,
-        pipeline_p.round_robin_placement or (
-            pipeline_p.schedule == 'interleaved_1f1b'))
+    devices = gpipe.ResolveDevices(pipeline_p.devices, needed,
+                                   SharesDevices(pipeline_p))
   except ValueError as e:
     raise ValueError(
         f'{prefix}: num_partitions x num_replicas = {needed} devices: {e} '

@@ -232,6 +232,16 @@ def ConfigureDevices(p):
 def CheckDevices(p):
   """Raises UsageError if the pipeline needs more devices than there are."""
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
+  pp = p.task.pipeline
+  needed = pp.num_partitions * pp.num_replicas
+  if (FLAGS.num_devices and FLAGS.num_devices < needed and pp.devices is None
+      and not task_lib.SharesDevices(pp)):
+    raise app.UsageError(
+        f'--num_devices={FLAGS.num_devices} is below task.pipeline.'
+        f'num_partitions x num_replicas = {pp.num_partitions} x '
+        f'{pp.num_replicas} = {needed}: each cell needs a device of its own. '
+        f'Raise --num_devices to {needed} (or leave it 0: one per cell), or '
+        'lower --num_partitions or --num_replicas.')
   try:
     return task_lib.PipelineDevices(p.task.pipeline)
   except ValueError as e:
