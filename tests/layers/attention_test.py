@@ -1,5 +1,7 @@
 """Tests of MultiHeadAttention and TransformerLayer against NumPy."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -117,3 +119,18 @@ def test_transformer_variables_on_device():
         name='xformer', input_dim=4, num_heads=1, hidden_dim=8).Instantiate()
   assert layer.weights
   assert all(v.value.device.endswith('CPU:3') for v in layer.weights)
+
+
+@pytest.mark.parametrize('num_heads, message', [
+    (3, 'atten: num_heads=3 does not divide the attention width 8'),
+    (-4, 'atten: num_heads must be an int > 0; received num_heads=-4.'),
+    (0, 'atten: num_heads must be an int > 0; received num_heads=0.')])
+def test_a_head_count_that_cannot_split_the_width_is_refused_by_the_cost_model(
+    num_heads, message):
+  # -4 divided 8 and passed, then failed at the first step (sqrt of -2).
+  p = layers.MultiHeadAttention.Params().Set(
+      name='atten', input_dim=8, num_heads=num_heads)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    p.target_cls.FPropMeta(p, (None, 4, 8))  # Before anything is built.
+  with pytest.raises(ValueError, match=re.escape(message)):
+    p.Instantiate()

@@ -212,6 +212,23 @@ def test_num_devices_below_partitions_times_replicas_names_both(flags_reset):
   assert len(trainer.CheckDevices(trainer.BuildParams())) == 4
 
 
+@pytest.mark.parametrize('num_heads, message', [
+    (3, r'atten: num_heads=3 does not divide the attention width 64'),
+    (-4, r'atten: num_heads must be an int > 0; received num_heads=-4.')])
+def test_bad_model_params_stop_before_the_logdir_is_touched(
+    flags_reset, tmp_path, num_heads, message):
+  # num_heads=3 was a traceback; -4 wrote params.txt, then failed at step 1.
+  del flags_reset
+  logdir = tmp_path / 'lm'
+  _Parse(f'--logdir={logdir}', '--run_locally=cpu',
+         f'--model_params_override=task.model.num_heads: {num_heads}')
+  with pytest.raises(app.UsageError,
+                     match=r'^task.model of --model=lm.TinyTransformerLm: .*'
+                     + message):
+    trainer.main(['tfpipe-train'])
+  assert not logdir.exists()
+
+
 def test_train_needs_logdir(flags_reset):
   del flags_reset
   _Parse()

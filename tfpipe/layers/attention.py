@@ -32,13 +32,28 @@ class MultiHeadAttention(base_layer.BaseLayer):
     p.Define('has_bias', True, 'Whether the projections have biases.')
     return p
 
+  @classmethod
+  def CheckHeads(cls, p):
+    """Raises ValueError unless input_dim > 0 and num_heads > 0 divides the
+    attention width, so that FPropMeta refuses what FProp could not run."""
+    hidden = p.hidden_dim or p.input_dim
+    if not p.input_dim > 0:
+      raise ValueError(f'{p.name}: input_dim must be > 0; received '
+                       f'input_dim={p.input_dim!r}.')
+    if not (isinstance(p.num_heads, int) and p.num_heads > 0):
+      raise ValueError(f'{p.name}: num_heads must be an int > 0; received '
+                       f'num_heads={p.num_heads!r}.')
+    if hidden % p.num_heads:
+      raise ValueError(
+          f'{p.name}: num_heads={p.num_heads} does not divide the attention '
+          f'width {hidden} (hidden_dim, or input_dim when it is 0): each '
+          'head takes an equal share of it.')
+    return hidden
+
   def __init__(self, params):
     super().__init__(params)
     p = self.p
-    hidden = p.hidden_dim or p.input_dim
-    if p.input_dim <= 0 or hidden % p.num_heads:
-      raise ValueError(f'{p.name}: need input_dim > 0 and hidden_dim '
-                       f'({hidden}) divisible by num_heads ({p.num_heads}).')
+    hidden = self.CheckHeads(p)
     self._hidden_dim = hidden
     for proj in ('q', 'k', 'v'):
       setattr(self, f'w_{proj}',
@@ -92,7 +107,7 @@ class MultiHeadAttention(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p, input_shape):
     _, length, dim = input_shape
-    hidden = p.hidden_dim or p.input_dim
+    hidden = cls.CheckHeads(p)
     batch = core.BatchSize(input_shape)
     length = 1 if length is None else int(length)
     tokens = batch * length

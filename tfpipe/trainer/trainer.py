@@ -164,6 +164,22 @@ def ParseBalance(text):
   return text
 
 
+def CheckModel(p):
+  """The model builder of the params; UsageError if its layers cannot be made.
+
+  Every layer's cost model checks its params (e.g. a head count that does
+  not divide the width), so a bad model param stops the run here, before
+  TensorFlow starts or anything is written to the logdir.
+  """
+  try:
+    model = p.task.model.Instantiate()
+    model.NumParams()
+  except ValueError as e:
+    raise app.UsageError(
+        f'task.model of --model={FLAGS.model}: {_Message(e)}') from None
+  return model
+
+
 def CheckPartition(p):
   """Raises UsageError if the model cannot be cut as the params say.
 
@@ -171,10 +187,11 @@ def CheckPartition(p):
   balance='time' profiles on devices and is checked when the task is built.
   """
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
+  model = CheckModel(p)
   if p.task.pipeline.balance == 'time':
     return
   try:
-    task_lib.PartitionCells(p.task, p.task.model.Instantiate())
+    task_lib.PartitionCells(p.task, model)
   except ValueError as e:
     raise app.UsageError(
         f'{_Message(e)} (task.pipeline.num_partitions='
@@ -274,17 +291,17 @@ def main(argv):
     print(p.ToText(), end='')
     # From the layers' cost models: no variable is created, so the paper's
     # billion-parameter configurations report their size in a moment.
-    print(f'# trainable parameters: {p.task.model.Instantiate().NumParams():,}')
+    print(f'# trainable parameters: {CheckModel(p).NumParams():,}')
     return 0
   if FLAGS.mode in ('train', 'eval') and not FLAGS.logdir:
     raise app.UsageError(f'--logdir is required for --mode={FLAGS.mode}; '
                          'e.g. --logdir=/tmp/tfpipe_lm.')
+  CheckPartition(p)  # Before the logdir is touched.
   if FLAGS.mode == 'train':
     try:
       logdir_lock.PrepareLogdir(FLAGS.logdir)
     except logdir_lock.LogdirError as e:
       raise app.UsageError(str(e)) from None
-  CheckPartition(p)
   with quiet.QuietStderr(show_startup_log):
     ConfigureDevices(p)
   try:
