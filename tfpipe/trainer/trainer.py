@@ -314,10 +314,14 @@ def main(argv):
     return 0
 
   from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
-  trainer = train_loop.Trainer(
-      p, FLAGS.logdir, nan_policy=FLAGS.nan_policy,
-      max_nan_skips=FLAGS.max_nan_skips,
-      allow_params_change=FLAGS.allow_params_change)
+  try:
+    trainer = train_loop.Trainer(
+        p, FLAGS.logdir, nan_policy=FLAGS.nan_policy,
+        max_nan_skips=FLAGS.max_nan_skips,
+        allow_params_change=FLAGS.allow_params_change)
+  except ValueError as e:  # A layer refused its params as it was built.
+    raise app.UsageError(
+        f'task of --model={FLAGS.model}: {_Message(e)}') from None
   if controller:
     controller.UseControllerIo(trainer)
   try:
