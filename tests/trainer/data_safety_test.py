@@ -357,6 +357,48 @@ def test_pipeline_layout_change_resumes_to_the_same_losses(logdir, reference):
                                                 ).read_text()
 
 
+def test_a_pipeline_seed_change_is_refused_on_resume(logdir):
+  # The pipeline's random_seed draws the dropout masks: it was accepted as
+  # "training is unchanged", and the losses then differed.
+  before = _Snapshot(logdir)
+  p = _Params(**{'task.pipeline.random_seed': 7})
+  with pytest.raises(params_file.ParamsChangedError,
+                     match=r'\+ task.pipeline.random_seed : 7'):
+    _Train(logdir, p)
+  assert _Snapshot(logdir) == before
+
+
+def test_checkpoints_without_params_txt_are_not_resumed_silently(
+    logdir, reference):
+  # A deleted params.txt let other params train on the checkpoints.
+  (logdir / 'params.txt').unlink()
+  before = _Snapshot(logdir)
+  with pytest.raises(params_file.ParamsChangedError,
+                     match='has checkpoints but no params.txt'):
+    _Train(logdir, _Params(**{'task.model.dropout_prob': 0.5}))
+  assert _Snapshot(logdir) == before
+  lines, _ = _Train(logdir, allow_params_change=True)
+  assert any(l.startswith('--allow_params_change: resuming') for l in lines)
+  _AssertResumedExactly(lines, reference, 6)
+  assert (logdir / 'params.txt').read_text() == _Params().ToText()
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_gives_way(tmp_path):
+  # Its params.txt used to refuse the corrected rerun.
+  with pytest.raises(train_loop.TrainingStopped):
+    _Train(tmp_path, _Params(nan_steps=[1]))
+  assert (tmp_path / 'params.txt').exists()
+  assert not (tmp_path / _CKPT).exists()
+  fixed = _Params(**{'task.train.learning_rate': 1e-4})
+  lines, trainer = _Train(tmp_path, fixed)
+  assert any(l.endswith('has no checkpoint yet, so nothing was trained with '
+                        'them: this run starts from step 0 with its own params '
+                        '(the old params.txt is kept as '
+                        'params.before_step_0.txt).') for l in lines), lines
+  assert trainer.step == 8
+  assert (tmp_path / 'params.txt').read_text() == fixed.ToText()
+
+
 def test_max_steps_below_the_restored_step_is_refused(logdir):
   before = _Snapshot(logdir)
   with pytest.raises(train_loop.TrainingStopped,

@@ -332,6 +332,7 @@ def test_unreadable_checkpoints_are_one_error_line(flags_reset, tmp_path,
   (checkpoints / 'ckpt-3.data-00000-of-00001').write_bytes(b'not data')
   _Parse(f'--logdir={tmp_path}', '--model=mlp.TinyMlp', '--run_locally=cpu',
          '--nodeterministic')
+  (tmp_path / 'params.txt').write_text(trainer.BuildParams().ToText())
   assert trainer.main(['tfpipe-train']) == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith(

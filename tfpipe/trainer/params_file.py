@@ -7,22 +7,41 @@ params with the logdir's params.txt BEFORE it writes anything, and only
 after the checkpoint restored does it write the new params.txt.
 
 Two kinds of difference:
-* Execution params change how a run executes, never what it computes: the
-  pipeline layout (task.pipeline.*: K, M, schedule, remat, executor,
-  balance, devices, replicas; training is the same by construction) and the
-  run's length and logging. They are accepted, with one line listing them.
-* Everything else (model, optimizer, seeds, input, --model itself) would
+* Execution params change how a run executes, never what it computes. They
+  are accepted, with one line listing them:
+  - the pipeline's layout and issue order (LAYOUT_PARAMS: K, balance,
+    schedule, remat, executor, devices); a test trains each changed field
+    and compares the losses;
+  - how each batch is split (BATCH_SPLIT_PARAMS: M, micro-batch size,
+    replicas), whose micro-batch losses and gradients are weighted back into
+    the batch's exactly. Not for a model with batch norm, which normalizes
+    each micro-batch with that micro-batch's statistics: there the split
+    changes training, and the caller says so (`batch_split_is_exact`);
+  - the run's length and logging (RUN_PARAMS).
+* Everything else (model, optimizer, seeds, the pipeline's random_seed and
+  batch_dim, input, --model itself, and any pipeline field not listed) would
   resume a different experiment from these weights. It is refused with the
   diff, unless --allow_params_change asks for it; the old params.txt is then
   kept as params.before_step_<N>.txt.
+
+The same holds when params.txt cannot tell: checkpoints without a
+params.txt, or a params.txt that does not read as params, are refused
+unless --allow_params_change. A logdir with a params.txt but no checkpoint
+has trained nothing to protect (a first run that stopped early): a
+corrected run is accepted there, saying so.
 """
 
 import os
 
 PARAMS_FILE = 'params.txt'
 
-EXECUTION_PARAM_PREFIXES = ('task.pipeline.',)
-EXECUTION_PARAMS = frozenset({
+_PIPELINE = 'task.pipeline.'
+LAYOUT_PARAMS = frozenset(_PIPELINE + name for name in (
+    'num_partitions', 'balance', 'schedule', 'remat_policy', 'executor',
+    'compile_step', 'devices', 'round_robin_placement', 'name', 'cell_tpl'))
+BATCH_SPLIT_PARAMS = frozenset(_PIPELINE + name for name in (
+    'num_micro_batches', 'micro_batch_size', 'num_replicas'))
+RUN_PARAMS = frozenset({
     'task.train.max_steps', 'task.train.save_interval_steps',
     'task.train.log_interval_steps', 'task.train.timeline_step',
     'task.train.max_checkpoints_to_keep', 'task.eval.interval_steps',
@@ -35,9 +54,21 @@ class ParamsChangedError(Exception):
   """The run's params would change the model or training of a logdir."""
 
 
-def IsExecutionParam(key):
-  """True for params that change how a run executes, not what it computes."""
-  return key in EXECUTION_PARAMS or key.startswith(EXECUTION_PARAM_PREFIXES)
+def IsExecutionParam(key, batch_split_is_exact=True):
+  """True for params that change how a run executes, not what it computes.
+
+  Args:
+    key: a dotted param name.
+    batch_split_is_exact: False for a model whose layers normalize over the
+      micro-batch (batch norm), for which BATCH_SPLIT_PARAMS change training.
+  """
+  return (key in LAYOUT_PARAMS or key in RUN_PARAMS or
+          (batch_split_is_exact and key in BATCH_SPLIT_PARAMS))
+
+
+def IsLayoutParam(key):
+  """True for the pipeline params that say how the model is laid out."""
+  return key in LAYOUT_PARAMS or key in BATCH_SPLIT_PARAMS
 
 
 def ParseParamsText(text):
@@ -48,6 +79,23 @@ def ParseParamsText(text):
     if sep:
       values[key.strip()] = value.strip()
   return values
+
+
+def UnreadableReason(data):
+  """Why the bytes of a params.txt are not `Params.ToText()` output, or None."""
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    return f'byte {e.start} is not UTF-8 text'
+  lines = text.splitlines()
+  if not any(line.strip() for line in lines):
+    return 'it is empty'
+  for number, line in enumerate(lines, 1):
+    key, sep, _ = line.partition(' : ')
+    if line.strip() and (not sep or not key.strip() or ' ' in key.strip()):
+      shown = line if len(line) <= 60 else line[:57] + '...'
+      return f'line {number} is not "name : value": {shown!r}'
+  return None
 
 
 def Differences(old_text, new_text):
@@ -72,14 +120,20 @@ def _Path(logdir, name=PARAMS_FILE):
   return os.path.join(logdir, name)
 
 
-def ReadParamsText(logdir):
-  """The logdir's params.txt, or None if it has none."""
+def ReadParamsBytes(logdir):
+  """The bytes of the logdir's params.txt, or None if it has none."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   path = _Path(logdir)
   if not tf.io.gfile.exists(path):
     return None
-  with tf.io.gfile.GFile(path) as f:
+  with tf.io.gfile.GFile(path, 'rb') as f:
     return f.read()
+
+
+def ReadParamsText(logdir):
+  """The logdir's params.txt as text, or None if it has none."""
+  data = ReadParamsBytes(logdir)
+  return None if data is None else data.decode('utf-8', 'replace')
 
 
 class Comparison:
@@ -88,14 +142,27 @@ class Comparison:
   Attributes:
     execution: differences in execution params (accepted).
     training: differences that change the model or training.
-    has_params_file: whether the logdir had a params.txt to compare with.
+    has_params_file: whether the logdir had a params.txt.
+    unreadable: why its params.txt does not read as params, or None.
+    batch_split_is_exact: see IsExecutionParam.
   """
 
-  def __init__(self, old_text, new_text):
-    self.has_params_file = old_text is not None
-    diffs = Differences(old_text, new_text) if old_text is not None else []
-    self.execution = [d for d in diffs if IsExecutionParam(d[0])]
-    self.training = [d for d in diffs if not IsExecutionParam(d[0])]
+  def __init__(self, old_data, new_text, batch_split_is_exact=True):
+    self.has_params_file = old_data is not None
+    self.unreadable = None if old_data is None else UnreadableReason(old_data)
+    self.batch_split_is_exact = batch_split_is_exact
+    diffs = []
+    if self.has_params_file and not self.unreadable:
+      diffs = Differences(old_data.decode('utf-8'), new_text)
+    self.execution = [d for d in diffs
+                      if IsExecutionParam(d[0], batch_split_is_exact)]
+    self.training = [d for d in diffs
+                     if not IsExecutionParam(d[0], batch_split_is_exact)]
+
+  @property
+  def replaces_file(self):
+    """Whether writing this run's params replaces a file worth keeping."""
+    return bool(self.training or self.unreadable)
 
   def ExecutionLine(self):
     """One line naming the accepted execution changes, or None."""
@@ -105,36 +172,68 @@ class Comparison:
             'unchanged): ' + ', '.join(
                 f'{k} {o} -> {n}' for k, o, n in self.execution) + '.')
 
+  def Problem(self, logdir):
+    """Why the params.txt does not vouch for this run's params, or None."""
+    path = _Path(logdir)
+    if self.unreadable:
+      return (f'{path} is unreadable ({self.unreadable}), so nothing tells '
+              'which params trained its checkpoints.')
+    if not self.has_params_file:
+      return (f'--logdir={logdir} has checkpoints but no {PARAMS_FILE}, so '
+              'nothing tells which params trained them.')
+    if self.training:
+      split = [k for k, _, _ in self.training if k in BATCH_SPLIT_PARAMS]
+      why = (f' ({", ".join(split)}: this model has batch norm, which '
+             'normalizes each micro-batch with its own statistics, so how '
+             'the batch is split changes training.)' if split else '')
+      return (f'--logdir={logdir} was trained with other params; these '
+              'differences change the model or the training (- its '
+              f'params.txt, + this run):\n{DiffText(self.training)}{why}')
+    return None
 
-def CheckParams(logdir, params, allow_change=False, log=print):
+
+def CheckParams(logdir, params, allow_change=False, log=print,
+                has_checkpoints=True, batch_split_is_exact=True):
   """Compares `params` with the logdir's params.txt; writes nothing.
 
   Args:
     logdir: the run's logdir.
     params: the run's experiment params.
-    allow_change: accept differences that change the model or training.
+    allow_change: accept differences that change the model or training, a
+      missing params.txt and an unreadable one.
     log: prints a line.
+    has_checkpoints: whether the logdir holds checkpoints. Without any, a
+      params.txt has nothing to protect and this run's params replace it.
+    batch_split_is_exact: see IsExecutionParam.
 
   Returns:
     The Comparison.
 
   Raises:
-    ParamsChangedError: training differences without `allow_change`.
+    ParamsChangedError: the params.txt does not vouch for `params`, there
+      are checkpoints, and not `allow_change`.
   """
-  comparison = Comparison(ReadParamsText(logdir), params.ToText())
-  line = comparison.ExecutionLine()
-  if line:
-    log(line)
-  if comparison.training:
-    diff = DiffText(comparison.training)
-    if not allow_change:
-      raise ParamsChangedError(
-          f'--logdir={logdir} was trained with other params; these '
-          'differences change the model or the training (- its params.txt, '
-          f'+ this run):\n{diff}\nRun with the params of its params.txt, give '
-          f'a new --logdir, or pass {ALLOW_FLAG} to resume it with these '
-          'params on purpose.')
-    log(f'{ALLOW_FLAG}: resuming {logdir} with changed params:\n{diff}')
+  comparison = Comparison(ReadParamsBytes(logdir), params.ToText(),
+                          batch_split_is_exact)
+  if not comparison.has_params_file and not has_checkpoints:
+    return comparison  # A new logdir.
+  problem = comparison.Problem(logdir)
+  if problem is None:
+    line = comparison.ExecutionLine()
+    if line:
+      log(line)
+    return comparison
+  if not has_checkpoints:
+    log(f'{problem}\n{logdir} has no checkpoint yet, so nothing was trained '
+        'with them: this run starts from step 0 with its own params (the old '
+        f'{PARAMS_FILE} is kept as params.before_step_0.txt).')
+  elif allow_change:
+    log(f'{ALLOW_FLAG}: resuming with this run\'s params. {problem}')
+  else:
+    raise ParamsChangedError(
+        f'{problem}\nRun with the params of its {PARAMS_FILE}, give a new '
+        f'--logdir, or pass {ALLOW_FLAG} to resume it with this run\'s params '
+        'on purpose.')
   return comparison
 
 
@@ -148,7 +247,8 @@ def WriteParams(logdir, params, comparison=None, step=0):
     step: the step the run starts at, which names a kept old params.txt.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if comparison is not None and comparison.training:
+  if (comparison is not None and comparison.replaces_file and
+      tf.io.gfile.exists(_Path(logdir))):
     tf.io.gfile.copy(_Path(logdir), _Path(
         logdir, f'params.before_step_{step}.txt'), overwrite=True)
   tmp = _Path(logdir, PARAMS_FILE + '.tmp')

@@ -224,6 +224,18 @@ class BaseTask:
     if not self.pipe.built:
       self.pipe.build(shape)
 
+  def BatchSplitChangesTraining(self):
+    """True if how a batch is split (M, micro-batch size, replicas) changes
+    training: a layer normalizes each micro-batch with its own statistics.
+
+    Such layers are the ones that defer their statistics to the pipeline
+    (`ApplyDeferredStats`: batch norm), or Keras' BatchNormalization.
+    """
+    return any(
+        hasattr(layer, 'ApplyDeferredStats') or
+        isinstance(layer, keras.layers.BatchNormalization)
+        for layer in self.pipe._flatten_layers())  # pylint: disable=protected-access
+
   def CheckpointObjects(self):
     """What a checkpoint saves: step, model variables and optimizer slots."""
     return {'global_step': self.global_step, 'model': self.pipe,

@@ -160,9 +160,16 @@ class Trainer:
 
   def RestoreForEvaluation(self):
     """Checks params.txt and restores, writing nothing (a trainer may run)."""
-    params_file.CheckParams(self._logdir, self._params,
-                            self._allow_params_change, self._log)
+    self._CheckParamsFile()
     return self.RestoreLatest(read_only=True)
+
+  def _CheckParamsFile(self):
+    """params_file.CheckParams, knowing the checkpoints and the model."""
+    numbers, _ = checkpoint_keeper.ScanDirectory(self.manager.directory)
+    return params_file.CheckParams(
+        self._logdir, self._params, self._allow_params_change, self._log,
+        has_checkpoints=bool(numbers),
+        batch_split_is_exact=not self.task.BatchSplitChangesTraining())
 
   def _Writer(self, name):
     return tf.summary.create_file_writer(os.path.join(self._logdir, name))
@@ -279,7 +286,7 @@ class Trainer:
       return self.RestoreLatest(read_only=False)
     except checkpoint_keeper.CheckpointMismatchError as e:
       layout = [d for d in comparison.execution
-                if d[0].startswith(params_file.EXECUTION_PARAM_PREFIXES)]
+                if params_file.IsLayoutParam(d[0])]
       if not layout or comparison.training:
         raise
       changed = ', '.join(f'{k} {o} -> {n}' for k, o, n in layout)
@@ -295,8 +302,7 @@ class Trainer:
     """Checks params.txt, cleans up and restores; returns the restored path."""
     p = self._params
     tp = p.task.train
-    comparison = params_file.CheckParams(
-        self._logdir, p, self._allow_params_change, self._log)
+    comparison = self._CheckParamsFile()
     self.manager.CleanLeftovers()
     restored = self._Restore(comparison)
     start = self.step
