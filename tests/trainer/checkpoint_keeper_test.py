@@ -1,7 +1,7 @@
 """Tests of tfpipe.trainer.checkpoint_keeper on a two-variable checkpoint.
 
 Protected properties: old checkpoints are deleted only after a newer one
-read back; a save that does not read back (or holds a NaN) is removed and
+read back, and one the trainer protects is not deleted; a save that does not read back (or holds a NaN) is removed and
 the previous ones and the state file stay; a restore takes the newest
 checkpoint that reads back whatever the state file says, warns about and
 moves aside damaged newer ones, and refuses (changing nothing) when none
@@ -49,6 +49,18 @@ def _Snapshot(directory):
       with open(path, 'rb') as f:
         result[os.path.relpath(path, directory)] = f.read()
   return result
+
+
+def test_a_protected_checkpoint_is_kept_beyond_max_to_keep(tmp_path):
+  state = _State(tmp_path, max_to_keep=2)
+  state.SaveAt(1)
+  state.keeper.Protect(1)
+  for step in (2, 3, 4):
+    state.SaveAt(step)
+  assert state.keeper.numbers == [1, 3, 4]
+  assert tf.train.get_checkpoint_state(str(tmp_path)).all_model_checkpoint_paths[
+      0].endswith('ckpt-1')
+  assert 'ckpt-2.index' not in _Files(tmp_path)
 
 
 def test_old_checkpoints_go_only_after_a_newer_one_reads_back(tmp_path):

@@ -164,19 +164,48 @@ def test_nan_stops_naming_the_step_and_keeps_the_good_checkpoint(
 def test_skip_policy_leaves_the_model_untouched_a_bounded_number_of_times(
     tmp_path):
   with pytest.raises(train_loop.TrainingStopped) as e:
-    _Train(tmp_path, _Params(nan_steps=[3, 4, 6]), nan_policy='skip',
-           max_nan_skips=2)
+    _Train(tmp_path, _Params(nan_steps=[3, 6, 7, 8]), nan_policy='skip',
+           max_nan_skips=3)
+  # The checkpoint to go back to is the one from before the first skip, not
+  # the newest: it came after a skipped update.
   assert str(e.value).startswith(
-      'Step 6: loss=nan grad_norm=nan is not finite after 2 skipped '
-      'update(s) (--max_nan_skips=2)')
-  assert _Checkpoints(tmp_path) == ['ckpt-2', 'ckpt-4']
+      'Step 8: loss=nan grad_norm=nan is not finite after 3 skipped '
+      'update(s) (--max_nan_skips=3); stopped before saving anything from '
+      f'it. {tmp_path / _CKPT}/ckpt-2, saved before the first skipped update '
+      f'(step 3), is kept; {tmp_path / _CKPT}/ckpt-4 came after skipped '
+      'updates. ')
+  assert 'last good checkpoint' not in str(e.value)
+  assert _Checkpoints(tmp_path) == ['ckpt-2', 'ckpt-4']  # Not step 6.
+  lines, trainer = _Train(tmp_path / 'untouched',
+                          _Params(max_steps=4, nan_steps=[3, 4]),
+                          nan_policy='skip')
   # Steps 3 and 4 were skipped: weights, optimizer slots and the optimizer's
-  # iteration count at step 4 are those of step 2.
-  at2 = _Values(tmp_path / _CKPT / 'ckpt-2')
-  at4 = _Values(tmp_path / _CKPT / 'ckpt-4')
-  changed = sorted(k for k in at2 if not np.array_equal(at2[k], at4[k]))
-  assert changed == ['global_step/.ATTRIBUTES/VARIABLE_VALUE',
-                     'save_counter/.ATTRIBUTES/VARIABLE_VALUE']
+  # iteration count are those of step 2; no checkpoint holds step 4.
+  assert _Checkpoints(tmp_path / 'untouched') == ['ckpt-2']
+  assert (f'step 4: no checkpoint, since its update was skipped. '
+          f'{tmp_path / "untouched" / _CKPT}/ckpt-2, saved before the first '
+          'skipped update (step 3), is kept.') in lines
+  at2 = _Values(tmp_path / 'untouched' / _CKPT / 'ckpt-2')
+  now = _Values(trainer.checkpoint.write(str(tmp_path / 'now')))
+  changed = sorted(k for k in at2 if not np.array_equal(at2[k], now[k]))
+  assert changed == ['global_step/.ATTRIBUTES/VARIABLE_VALUE']
+
+
+def test_skipped_steps_never_rotate_out_the_checkpoint_from_before_them(
+    tmp_path):
+  # After a divergence every update is skipped: each save wrote the same
+  # weights again and pushed out the last checkpoint from before it.
+  lines, trainer = _Train(tmp_path, _Params(max_steps=12,
+                                            nan_steps=range(5, 13)),
+                          nan_policy='skip', max_nan_skips=100)
+  assert trainer.nan_skips == 8 and trainer.step == 12
+  assert _Checkpoints(tmp_path) == ['ckpt-2', 'ckpt-4']
+  # With updates between the skips, saves go on, and the checkpoint from
+  # before the first skip stays beyond max_checkpoints_to_keep=3.
+  _Train(tmp_path / 'once', _Params(max_steps=12, nan_steps=[3]),
+         nan_policy='skip')
+  assert set(_Checkpoints(tmp_path / 'once')) == {'ckpt-2', 'ckpt-8',
+                                                  'ckpt-10', 'ckpt-12'}
 
 
 def test_skip_policy_trains_on_after_a_skipped_update(tmp_path):

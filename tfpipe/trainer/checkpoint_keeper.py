@@ -8,8 +8,8 @@ the last good one. The keeper manages the same files under these rules:
 
 * A save is read back in full (every tensor, whose CRC the reader checks,
   and every float finite) before the state file lists it; only then are
-  checkpoints beyond `max_to_keep` deleted, oldest first. This costs one
-  read of the checkpoint per save.
+  checkpoints beyond `max_to_keep` deleted, oldest first, but for the ones
+  the trainer `Protect`s. This costs one read of the checkpoint per save.
 * A restore ignores what the state file says: it takes the newest `ckpt-N`
   that reads back and restores. A damaged newer one (truncated, bit-flipped,
   data missing, non-finite) is skipped with a warning, and moved to
@@ -127,6 +127,7 @@ class CheckpointKeeper:
     self.max_to_keep = max_to_keep
     self._log = log
     self._kept = []  # Checkpoint numbers, ascending; the last is verified.
+    self._protected = set()  # Numbers kept beyond max_to_keep (Protect).
     # Created before any save or restore, so every checkpoint has it and
     # every restore matches it.
     _ = checkpoint.save_counter
@@ -142,6 +143,19 @@ class CheckpointKeeper:
   @property
   def checkpoints(self):
     return [self._Path(n) for n in self._kept]
+
+  @property
+  def numbers(self):
+    """The N of each kept ckpt-N, ascending (as `checkpoints`)."""
+    return list(self._kept)
+
+  def Protect(self, number):
+    """Keeps ckpt-<number> beyond max_to_keep for as long as this keeper saves.
+
+    The trainer protects its last checkpoint from before a skipped update,
+    so that checkpoints saved afterwards never rotate it out.
+    """
+    self._protected.add(number)
 
   # ---- start ------------------------------------------------------------
 
@@ -239,8 +253,9 @@ class CheckpointKeeper:
           'Check the disk (space, errors) and restart: training resumes '
           'from the kept checkpoint.')
     self._kept = sorted(set(self._kept) | {checkpoint_number})
-    dropped = self._kept[:-self.max_to_keep]
-    self._kept = self._kept[-self.max_to_keep:]
+    rotating = [n for n in self._kept if n not in self._protected]
+    dropped = rotating[:-self.max_to_keep]
+    self._kept = [n for n in self._kept if n not in dropped]
     self._WriteState()
     for number in dropped:
       self._Delete(number)

@@ -18,8 +18,12 @@ does not match (tests/trainer/data_safety_test.py injects each fault):
 * a non-finite loss or gradient norm stops the run before anything from
   that step is saved, naming the step; with `nan_policy='skip'` the task
   skips such an update inside its step (weights and optimizer untouched) at
-  most `max_nan_skips` times. No checkpoint is written while any variable
-  is non-finite.
+  most `max_nan_skips` times. A step whose update was skipped is not saved
+  (its checkpoint would only repeat the last update's weights and push out
+  older checkpoints), and the newest checkpoint from before the run's first
+  skip is kept beyond max_checkpoints_to_keep, so that it survives any
+  number of skips. No checkpoint is written while any variable is
+  non-finite.
 Every refusal is a `STOP_ERRORS` exception whose message says what to do.
 """
 
@@ -131,6 +135,9 @@ class Trainer:
     self._max_nan_skips = max_nan_skips
     self._allow_params_change = allow_params_change
     self.nan_skips = 0
+    # (step, (number, path) of the newest checkpoint then, or None) of the
+    # run's first skipped update.
+    self._first_skip = None
     self._params_to_write = None  # (comparison, step) until the first save.
     self.task = params.task.Instantiate()
     if nan_policy == 'skip':
@@ -246,15 +253,42 @@ class Trainer:
       self._params_to_write = None
 
   def _LastGood(self):
-    last = self.manager.latest_checkpoint
-    if last:
-      return f'The last good checkpoint, {last}, is kept. '
-    return 'There is no checkpoint yet. '
+    """The sentence naming the checkpoint to go back to."""
+    if self._first_skip is None:
+      last = self.manager.latest_checkpoint
+      if last:
+        return f'The last good checkpoint, {last}, is kept. '
+      return 'There is no checkpoint yet. '
+    step, before = self._first_skip
+    after = [c for c, n in zip(self.manager.checkpoints, self.manager.numbers)
+             if before is None or n > before[0]]
+    text = (f'There is no checkpoint from before the first skipped update '
+            f'(step {step})' if before is None else
+            f'{before[1]}, saved before the first skipped update (step '
+            f'{step}), is kept')
+    if after:
+      text += f'; {", ".join(after)} came after skipped updates'
+    return text + '. '
+
+  def _SaveUnlessSkipped(self, step, skipped):
+    """Saves `step` unless its update was skipped; whether it saved."""
+    if skipped:
+      self._log(f'step {step}: no checkpoint, since its update was skipped. '
+                + self._LastGood().strip())
+      return False
+    self._Save(step)
+    return True
 
   def _OnNonFinite(self, step, loss, grad_norm, writer):
     """Counts a skipped update, or raises TrainingStopped."""
     what = f'loss={loss:g} grad_norm={grad_norm:g}'
     if self._nan_policy == 'skip' and self.nan_skips < self._max_nan_skips:
+      if self._first_skip is None:
+        before = None
+        if self.manager.numbers:
+          before = (self.manager.numbers[-1], self.manager.latest_checkpoint)
+          self.manager.Protect(before[0])
+        self._first_skip = (step, before)
       self.nan_skips += 1
       self._log(f'step {step}: {what} is not finite; the update was skipped '
                 f'({self.nan_skips} of at most {self._max_nan_skips}, '
@@ -342,6 +376,7 @@ class Trainer:
     interval_steps = 0
     metrics = {}
     saved_step = start if restored else None
+    skipped = False
     for batch in dataset:
       if self.step >= tp.max_steps:
         break
@@ -350,7 +385,8 @@ class Trainer:
       out = self.task.TrainStep(batch)
       step = self.step
       loss, grad_norm = float(out['loss']), float(out['grad_norm'])
-      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+      skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+      if skipped:
         self._OnNonFinite(step, loss, grad_norm, train_writer)
       interval_steps += 1
       if step % tp.log_interval_steps == 0 or step == tp.max_steps:
@@ -372,12 +408,12 @@ class Trainer:
         interval_start = time.time()
         interval_steps = 0
       if step % tp.save_interval_steps == 0:
-        self._Save(step)
+        self._SaveUnlessSkipped(step, skipped)
         saved_step = step
       if eval_interval and step % eval_interval == 0 and step < tp.max_steps:
         self._EvaluateAndLog(eval_writer)
     if saved_step != self.step:
-      self._Save(self.step)
+      self._SaveUnlessSkipped(self.step, skipped)
     final = self._EvaluateAndLog(eval_writer)
     trained = (f'train_loss={metrics["loss"]:.6f} ' if 'loss' in metrics
                else '')
