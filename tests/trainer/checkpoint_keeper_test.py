@@ -63,6 +63,44 @@ def test_a_protected_checkpoint_is_kept_beyond_max_to_keep(tmp_path):
   assert 'ckpt-2.index' not in _Files(tmp_path)
 
 
+def _FailingWrite(error):
+  def Write(*unused_args, **unused_kwargs):
+    raise error
+  return Write
+
+
+@pytest.mark.parametrize('error, reason, fix', [
+    (tf.errors.ResourceExhaustedError(
+        None, None, '{{function_node __wrapped__SaveV2_dtypes_7_device_/job:'
+        'localhost/replica:0/task:0/device:CPU:0}} /x/ckpt-3_temp/part-00000-'
+        'of-00001.data-00000-of-00001.tempstate123; No space left on device '
+        '[Op:SaveV2]'), 'No space left on device', 'Free space in'),
+    (tf.errors.PermissionDeniedError(
+        None, None, '/x/ckpt-3_temp; Read-only file system'),
+     'Read-only file system', 'Make'),
+    (OSError(5, 'Input/output error'), 'Input/output error', 'Check')],
+                         ids=['disk-full', 'read-only', 'io-error'])
+def test_a_failed_write_is_one_line_and_loses_nothing(tmp_path, monkeypatch,
+                                                      error, reason, fix):
+  # A full disk was a 50-line traceback of TensorFlow's SaveV2.
+  state = _State(tmp_path, max_to_keep=1)
+  state.SaveAt(2)
+  before = _Snapshot(tmp_path)
+  checkpoint = state.keeper._checkpoint  # pylint: disable=protected-access
+  monkeypatch.setattr(checkpoint, 'write', _FailingWrite(error))
+  (tmp_path / 'ckpt-3_temp').mkdir()  # What the failed save left.
+  with pytest.raises(checkpoint_keeper.CheckpointError) as e:
+    state.SaveAt(3)
+  assert str(e.value).startswith(
+      f'Cannot write {tmp_path}/ckpt-3: {reason}. Nothing was lost: '
+      f'{tmp_path}/ckpt-2 is kept. {fix}')
+  assert str(e.value).endswith('and restart: training resumes from the '
+                               'newest checkpoint.')
+  assert '\n' not in str(e.value)
+  assert _Snapshot(tmp_path) == before
+  assert state.keeper.numbers == [2]
+
+
 def test_old_checkpoints_go_only_after_a_newer_one_reads_back(tmp_path):
   state = _State(tmp_path, max_to_keep=2)
   for step in (1, 2, 3):

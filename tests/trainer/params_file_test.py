@@ -253,3 +253,11 @@ def test_a_batch_norm_model_is_told_why_its_split_is_refused(tmp_path):
                      'batch norm, which normalizes each micro-batch'):
     params_file.CheckParams(str(tmp_path), new, log=lambda _: None,
                             batch_split_is_exact=False)
+
+
+def test_a_params_txt_that_cannot_be_written_is_one_line(tmp_path):
+  gone = tmp_path / 'removed_logdir'
+  with pytest.raises(params_file.ParamsWriteError) as e:
+    params_file.WriteParams(str(gone), _Params())
+  assert str(e.value).startswith(f'Cannot write {gone}/params.txt: ')
+  assert '\n' not in str(e.value) and 'restart' in str(e.value)

@@ -70,6 +70,15 @@ def _FirstLine(e):
   return (sentence.group(0) if sentence else line)[:300]
 
 
+def WriteErrorReason(e):
+  """The system's reason in an error of a failed write, e.g. 'No space left
+  on device', without TensorFlow's function and temp-file names."""
+  text = getattr(e, 'message', None) or getattr(e, 'strerror', None) or str(e)
+  text = re.sub(r'\{\{function_node [^}]*\}\}\s*', '', text)
+  text = re.sub(r'\s*\[Op:\w+\]', '', text).strip()
+  return text.rsplit(';', 1)[-1].strip() or text
+
+
 def ReadBackProblem(path):
   """None if every tensor of checkpoint `path` reads back finite, else why.
 
@@ -242,7 +251,14 @@ class CheckpointKeeper:
     """
     path = self._Path(checkpoint_number)
     self._checkpoint.save_counter.assign_add(1)
-    written = self._checkpoint.write(path, options=options)
+    try:
+      written = self._checkpoint.write(path, options=options)
+    except (tf.errors.OpError, OSError) as e:
+      # A full disk, a read-only or vanished directory: TensorFlow names its
+      # temp file, then the system's reason.
+      self._checkpoint.save_counter.assign_sub(1)
+      self._RemovePartial(checkpoint_number)
+      raise self._WriteError(path, e) from None
     problem = ReadBackProblem(written)
     if problem:
       self._Delete(checkpoint_number)
@@ -260,6 +276,37 @@ class CheckpointKeeper:
     for number in dropped:
       self._Delete(number)
     return written
+
+  def _WriteError(self, path, e):
+    """The CheckpointError of a failed write of `path`: why, what is kept."""
+    reason = WriteErrorReason(e)
+    if 'space' in reason.lower():
+      fix = f'Free space in {self.directory}'
+    elif 'read-only' in reason.lower() or 'permission' in reason.lower():
+      fix = f'Make {self.directory} writable'
+    else:
+      fix = f'Check {self.directory} (space, permissions, errors)'
+    kept = (f'{self.latest_checkpoint} is kept' if self.latest_checkpoint
+            else 'there was no earlier checkpoint')
+    return CheckpointError(
+        f'Cannot write {path}: {reason}. Nothing was lost: {kept}. {fix} and '
+        'restart: training resumes from the newest checkpoint.')
+
+  def _RemovePartial(self, number):
+    """Removes what a failed save of ckpt-<number> left, as far as it can.
+
+    What it cannot remove (a read-only directory) is a leftover that the
+    next start removes.
+    """
+    for path in tf.io.gfile.glob(self._Path(number) + '_temp*') + (
+        tf.io.gfile.glob(self._Path(number) + '.*')):
+      try:
+        if tf.io.gfile.isdir(path):
+          tf.io.gfile.rmtree(path)
+        else:
+          tf.io.gfile.remove(path)
+      except (tf.errors.OpError, OSError):
+        pass
 
   def _Delete(self, number):
     # The index goes first: data without an index is a leftover that the
@@ -283,6 +330,10 @@ class CheckpointKeeper:
         if f.read() == text.encode():
           return
     tmp = f'{state}.tmp{uuid.uuid4().hex}'
-    with tf.io.gfile.GFile(tmp, 'w') as f:
-      f.write(text)
-    tf.io.gfile.rename(tmp, state, overwrite=True)
+    try:
+      with tf.io.gfile.GFile(tmp, 'w') as f:
+        f.write(text)
+      tf.io.gfile.rename(tmp, state, overwrite=True)
+    except (tf.errors.OpError, OSError) as e:
+      # The checkpoints are all there; a restore does not need this file.
+      raise self._WriteError(state, e) from None

@@ -54,6 +54,10 @@ class ParamsChangedError(Exception):
   """The run's params would change the model or training of a logdir."""
 
 
+class ParamsWriteError(Exception):
+  """params.txt could not be written (a full disk, a read-only logdir)."""
+
+
 def IsExecutionParam(key, batch_split_is_exact=True):
   """True for params that change how a run executes, not what it computes.
 
@@ -245,13 +249,24 @@ def WriteParams(logdir, params, comparison=None, step=0):
     params: the run's experiment params.
     comparison: the Comparison from CheckParams, if any.
     step: the step the run starts at, which names a kept old params.txt.
+
+  Raises:
+    ParamsWriteError: naming the file and the system's reason; the old
+      params.txt, if any, is unchanged.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if (comparison is not None and comparison.replaces_file and
-      tf.io.gfile.exists(_Path(logdir))):
-    tf.io.gfile.copy(_Path(logdir), _Path(
-        logdir, f'params.before_step_{step}.txt'), overwrite=True)
+  from tfpipe.trainer import checkpoint_keeper  # pylint: disable=g-import-not-at-top
   tmp = _Path(logdir, PARAMS_FILE + '.tmp')
-  with tf.io.gfile.GFile(tmp, 'w') as f:
-    f.write(params.ToText())
-  tf.io.gfile.rename(tmp, _Path(logdir), overwrite=True)
+  try:
+    if (comparison is not None and comparison.replaces_file and
+        tf.io.gfile.exists(_Path(logdir))):
+      tf.io.gfile.copy(_Path(logdir), _Path(
+          logdir, f'params.before_step_{step}.txt'), overwrite=True)
+    with tf.io.gfile.GFile(tmp, 'w') as f:
+      f.write(params.ToText())
+    tf.io.gfile.rename(tmp, _Path(logdir), overwrite=True)
+  except (tf.errors.OpError, OSError) as e:
+    raise ParamsWriteError(
+        f'Cannot write {_Path(logdir)}: '
+        f'{checkpoint_keeper.WriteErrorReason(e)}. Free space in (or make '
+        f'writable) {logdir} and restart.') from None

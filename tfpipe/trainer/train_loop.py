@@ -51,7 +51,8 @@ class TrainingStopped(Exception):
 
 # What a training run raises instead of losing or mixing up data.
 STOP_ERRORS = (logdir_lock.LogdirError, params_file.ParamsChangedError,
-               checkpoint_keeper.CheckpointError, TrainingStopped)
+               params_file.ParamsWriteError, checkpoint_keeper.CheckpointError,
+               TrainingStopped)
 
 # TensorBoard's scalar plugin reads any float summary tagged with this
 # metadata; writing it directly needs no tensorboard package at train time.
