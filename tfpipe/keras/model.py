@@ -19,6 +19,8 @@ order), so whatever is trained through `pm` is in `model`, and weight files
 written by `pm.save_weights` are the plain model's.
 """
 
+import inspect
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -26,6 +28,7 @@ import tensorflow as tf
 from tfpipe import placement
 from tfpipe.gpipe import partition
 from tfpipe.gpipe import pipelining_layer
+from tfpipe.keras import batch_check
 from tfpipe.keras import costs as costs_lib
 from tfpipe.keras import graph as graph_lib
 from tfpipe.keras import stage as stage_lib
@@ -269,6 +272,35 @@ class PipelinedModel(keras.Model):
       with placement.NoSingleReplicaAllReduce(self.optimizer):
         self.optimizer.apply_gradients(zip(gradients, variables))
 
+  def fit(self, *args, **kwargs):  # pylint: disable=signature-differs
+    """keras.Model.fit; a batch smaller than num_micro_batches is refused
+    before the first one trains (batch_check)."""
+    arguments = _BoundArguments(keras.Model.fit, self, args, kwargs)
+    batch_check.CheckFit(
+        self.name, self.pipe.p.num_micro_batches, arguments['x'],
+        arguments['batch_size'], arguments['validation_split'],
+        arguments['validation_data'], arguments['validation_batch_size'])
+    with batch_check.ShortRuntimeErrors(self.name):
+      return super().fit(*args, **kwargs)
+
+  def evaluate(self, *args, **kwargs):  # pylint: disable=signature-differs
+    """keras.Model.evaluate, with fit's batch check."""
+    arguments = _BoundArguments(keras.Model.evaluate, self, args, kwargs)
+    batch_check.CheckBatches(
+        self.name, self.pipe.p.num_micro_batches, batch_check.BatchSizes(
+            arguments['x'], arguments['batch_size']), 'evaluate')
+    with batch_check.ShortRuntimeErrors(self.name):
+      return super().evaluate(*args, **kwargs)
+
+  def predict(self, *args, **kwargs):  # pylint: disable=signature-differs
+    """keras.Model.predict, with fit's batch check."""
+    arguments = _BoundArguments(keras.Model.predict, self, args, kwargs)
+    batch_check.CheckBatches(
+        self.name, self.pipe.p.num_micro_batches, batch_check.BatchSizes(
+            arguments['x'], arguments['batch_size']), 'predict')
+    with batch_check.ShortRuntimeErrors(self.name):
+      return super().predict(*args, **kwargs)
+
   def save_weights(self, filepath, overwrite=True, **kwargs):
     """Saves the original model's weights (loadable into the plain model)."""
     return self.source_model.save_weights(filepath, overwrite=overwrite,
@@ -286,6 +318,13 @@ class PipelinedModel(keras.Model):
     """Prints each stage: layers, device, parameter count, estimated cost."""
     del kwargs
     (print_fn or print)(describe(self))
+
+
+def _BoundArguments(method, model, args, kwargs):
+  """{name: value} of a call of keras.Model `method`, defaults included."""
+  bound = inspect.signature(method).bind(model, *args, **kwargs)
+  bound.apply_defaults()
+  return bound.arguments
 
 
 def PlaceVariables(pipe):
