@@ -2,8 +2,9 @@
 
 The reference is always the plain Keras model on the same variables: the
 pipeline must compute the same gradients (per micro-batch where batch norm
-makes micro-batches differ), reach the same weights through fit, and write
-weight files the plain model loads.
+makes micro-batches differ), reach the same weights through fit, write
+weight files the plain model loads, and save model files that keep the
+optimizer state and compile config to train on from.
 """
 
 import keras
@@ -281,6 +282,38 @@ def test_saved_weights_load_into_the_plain_model(tmp_path):
     for a, b in zip(model.weights, fresh.weights):
       np.testing.assert_array_equal(b.numpy(), a.numpy())
   assert (tmp_path / 'log.csv').read_text().count('\n') == 3
+
+
+def test_save_keeps_the_optimizer_state_and_compile_config(tmp_path):
+  # pm.save wrote the uncompiled plain model: load_model gave no optimizer.
+  x, y = _Data(_Sequential(), n=16)
+  pm = tfpipe.keras.pipeline(_Sequential(seed=3), num_partitions=2,
+                             num_micro_batches=2, devices=DEVICES[:2],
+                             balance='params')
+  pm.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse',
+             metrics=['mae'])
+  pm.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  pm.save(str(tmp_path / 'model.keras'))
+  loaded = keras.models.load_model(str(tmp_path / 'model.keras'))
+  assert isinstance(loaded.optimizer, keras.optimizers.Adam)
+  assert int(loaded.optimizer.iterations) == int(pm.optimizer.iterations) == 4
+  assert loaded.loss == 'mse'
+  assert loaded.get_compile_config()['metrics'] == ['mae']
+  assert len(loaded.optimizer.variables) == len(pm.optimizer.variables)
+  for a, b in zip(pm.optimizer.variables, loaded.optimizer.variables):
+    np.testing.assert_array_equal(b.numpy(), a.numpy(), err_msg=a.path)
+  # Pipelined again, it trains on exactly as the saved model does.
+  again = tfpipe.keras.pipeline(loaded, num_partitions=2, num_micro_batches=2,
+                                devices=DEVICES[2:4], balance='params')
+  again.compile(optimizer=loaded.optimizer, loss=loaded.loss)
+  again.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+  pm.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+  for a, b in zip(pm.source_model.weights, loaded.weights):
+    np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-7)
+  foreign = keras.optimizers.Adam()
+  foreign.build([keras.Variable(np.zeros(3, np.float32))])
+  with pytest.raises(ValueError, match='was built for other variables'):
+    again.compile(optimizer=foreign, loss='mse')
 
 
 def test_summary_and_describe_show_stages():

@@ -213,7 +213,21 @@ class PipelinedModel(keras.Model):
     return loss, grads
 
   def compile(self, *args, **kwargs):  # pylint: disable=arguments-differ
-    """keras.Model.compile; with executor='threads', run_eagerly is forced on."""
+    """keras.Model.compile; with executor='threads', run_eagerly is forced on.
+
+    An optimizer that is already built (`load_model`'s, whose slots hold the
+    saved state) was built for the variables before they were placed on the
+    stages; this model gets a copy of it, built here, holding the same
+    state.
+    """
+    arguments = _BoundArguments(keras.Model.compile, self, args, kwargs,
+                                defaults=False)
+    given = arguments.get('optimizer')
+    if isinstance(given, keras.optimizers.Optimizer) and given.built:
+      args, kwargs = (), dict(arguments)
+      kwargs['optimizer'] = type(given).from_config(given.get_config())
+    else:
+      given = None
     if self.pipe.p.executor == 'threads':
       if kwargs.get('run_eagerly') is False:
         raise ValueError(
@@ -227,6 +241,8 @@ class PipelinedModel(keras.Model):
       # inside the traced train_step, the slots would be lifted out of the
       # trace without their colocation and land on the default device.
       self.optimizer.build(self.trainable_variables)
+    if given is not None:
+      _CopyOptimizerState(given, self.optimizer, self.name)
     return result
 
   def _PipelineStep(self, feed, targets, training):
@@ -310,9 +326,25 @@ class PipelinedModel(keras.Model):
     """Loads weights saved from the plain model (or by save_weights)."""
     return self.source_model.load_weights(filepath, **kwargs)
 
-  def save(self, filepath, **kwargs):
-    """Saves the original (plain) model; the pipeline is rebuilt from it."""
-    return self.source_model.save(filepath, **kwargs)
+  def save(self, filepath, overwrite=True, **kwargs):
+    """Saves the plain model, with this model's optimizer state and compile
+    config once it is compiled.
+
+    `keras.models.load_model` returns the plain model, compiled, to be
+    pipelined again (`pipeline(loaded, ...)`, then `compile(optimizer=
+    loaded.optimizer, loss=loaded.loss, ...)` to train on). To put them in
+    the file, the plain model is compiled like this one, with the same
+    optimizer object: the two share their variables, so the optimizer's
+    slots and iteration count are the ones this model trained.
+    """
+    model = self.source_model
+    if self.compiled:
+      config = dict(self._compile_config.config)
+      # How this model runs its steps is its own, not the plain model's.
+      config.update(optimizer=self.optimizer, run_eagerly=None,
+                    jit_compile='auto')
+      model.compile(**config)
+    return model.save(filepath, overwrite=overwrite, **kwargs)
 
   def summary(self, print_fn=None, **kwargs):
     """Prints each stage: layers, device, parameter count, estimated cost."""
@@ -320,11 +352,27 @@ class PipelinedModel(keras.Model):
     (print_fn or print)(describe(self))
 
 
-def _BoundArguments(method, model, args, kwargs):
-  """{name: value} of a call of keras.Model `method`, defaults included."""
+def _CopyOptimizerState(source, target, name):
+  """Assigns the variables of optimizer `source` to those of `target`."""
+  pairs = list(zip(source.variables, target.variables))
+  if len(source.variables) != len(target.variables) or any(
+      tuple(a.shape) != tuple(b.shape) for a, b in pairs):
+    raise ValueError(
+        f'{name}: the optimizer given to compile was built for other '
+        f'variables ({len(source.variables)} optimizer variables; this model '
+        f'needs {len(target.variables)}). Pass the optimizer of the model '
+        'being pipelined (e.g. load_model(...).optimizer), or a new one.')
+  for a, b in pairs:
+    b.assign(a)
+
+
+def _BoundArguments(method, model, args, kwargs, defaults=True):
+  """{name: value} of a call of keras.Model `method` (but `self`), with the
+  defaults of the arguments not given if `defaults`."""
   bound = inspect.signature(method).bind(model, *args, **kwargs)
-  bound.apply_defaults()
-  return bound.arguments
+  if defaults:
+    bound.apply_defaults()
+  return {k: v for k, v in bound.arguments.items() if k != 'self'}
 
 
 def PlaceVariables(pipe):
