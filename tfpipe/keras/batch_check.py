@@ -99,6 +99,18 @@ def CheckBatches(name, num_micro_batches, sizes, what):
         'drop_remainder=True)), or pipeline with fewer micro-batches.')
 
 
+def CheckCall(name, num_micro_batches, method, arguments):
+  """CheckBatches for a call of keras.Model `method` ('fit', 'evaluate' or
+  'predict') with `arguments` ({name: value}, defaults included)."""
+  if method == 'fit':
+    CheckFit(name, num_micro_batches, arguments['x'], arguments['batch_size'],
+             arguments['validation_split'], arguments['validation_data'],
+             arguments['validation_batch_size'])
+  else:
+    CheckBatches(name, num_micro_batches, BatchSizes(
+        arguments['x'], arguments['batch_size']), method)
+
+
 def CheckFit(name, num_micro_batches, x, batch_size=None, validation_split=0.0,
              validation_data=None, validation_batch_size=None):
   """CheckBatches for fit's training and validation batches."""

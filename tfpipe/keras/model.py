@@ -291,31 +291,23 @@ class PipelinedModel(keras.Model):
   def fit(self, *args, **kwargs):  # pylint: disable=signature-differs
     """keras.Model.fit; a batch smaller than num_micro_batches is refused
     before the first one trains (batch_check)."""
-    arguments = _BoundArguments(keras.Model.fit, self, args, kwargs)
-    batch_check.CheckFit(
-        self.name, self.pipe.p.num_micro_batches, arguments['x'],
-        arguments['batch_size'], arguments['validation_split'],
-        arguments['validation_data'], arguments['validation_batch_size'])
-    with batch_check.ShortRuntimeErrors(self.name):
-      return super().fit(*args, **kwargs)
+    return self._BatchChecked(keras.Model.fit, args, kwargs)
 
   def evaluate(self, *args, **kwargs):  # pylint: disable=signature-differs
     """keras.Model.evaluate, with fit's batch check."""
-    arguments = _BoundArguments(keras.Model.evaluate, self, args, kwargs)
-    batch_check.CheckBatches(
-        self.name, self.pipe.p.num_micro_batches, batch_check.BatchSizes(
-            arguments['x'], arguments['batch_size']), 'evaluate')
-    with batch_check.ShortRuntimeErrors(self.name):
-      return super().evaluate(*args, **kwargs)
+    return self._BatchChecked(keras.Model.evaluate, args, kwargs)
 
   def predict(self, *args, **kwargs):  # pylint: disable=signature-differs
     """keras.Model.predict, with fit's batch check."""
-    arguments = _BoundArguments(keras.Model.predict, self, args, kwargs)
-    batch_check.CheckBatches(
-        self.name, self.pipe.p.num_micro_batches, batch_check.BatchSizes(
-            arguments['x'], arguments['batch_size']), 'predict')
+    return self._BatchChecked(keras.Model.predict, args, kwargs)
+
+  def _BatchChecked(self, method, args, kwargs):
+    """method(self, *args, **kwargs) once batch_check accepts its batches."""
+    batch_check.CheckCall(self.name, self.pipe.p.num_micro_batches,
+                          method.__name__,
+                          _BoundArguments(method, self, args, kwargs))
     with batch_check.ShortRuntimeErrors(self.name):
-      return super().predict(*args, **kwargs)
+      return method(self, *args, **kwargs)
 
   def save_weights(self, filepath, overwrite=True, **kwargs):
     """Saves the original model's weights (loadable into the plain model)."""
