@@ -207,7 +207,8 @@ def test_replicas_times_stages_on_four_workers(tmp_path, baseline):
 
 
 @pytest.mark.parametrize('sig, when', [
-    (signal.SIGTERM, r'^step 2/'), (signal.SIGINT, r'^launcher: started worker')],
+    (signal.SIGTERM, r'^step 2/'),
+    (signal.SIGINT, r'^launcher: started worker')],
                          ids=['SIGTERM-while-training', 'SIGINT-at-start'])
 def test_a_signal_to_the_launchers_pid_stops_the_job(tmp_path, sig, when):
   # `timeout`, schedulers and subprocess.terminate() signal this pid. It was

@@ -2,9 +2,9 @@
 
 A user relies on: a local spec whose tasks do not collide; no process left
 behind, whether the program closes its children (a stopped one at once), or
-is itself killed (even by SIGKILL, which runs no clean-up); and a worker start-up that ends,
-naming a worker that exited before serving. The children here are small
-Python processes (no TensorFlow), each bounded in time.
+is itself killed (even by SIGKILL, which runs no clean-up); and a worker
+start-up that ends, naming a worker that exited before serving. The children
+here are small Python processes (no TensorFlow), each bounded in time.
 """
 
 import os

@@ -121,8 +121,9 @@ def test_only_workers_serve(monkeypatch, calls):
   assert spec.as_dict()['controller'] == ['127.0.0.1:1']
 
 
-_STALE_TF_CONFIG = json.dumps({'cluster': {'worker': ['host1:2222', 'host2:2222']},
-                               'task': {'type': 'worker', 'index': 0}})
+_STALE_TF_CONFIG = json.dumps(
+    {'cluster': {'worker': ['host1:2222', 'host2:2222']},
+     'task': {'type': 'worker', 'index': 0}})
 
 
 def test_a_stale_tf_config_is_named_as_the_source(monkeypatch):

@@ -1,13 +1,13 @@
 """Tests of tfpipe.servers that need no TensorFlow server.
 
-A user relies on: a loopback bind never turning into a server on the
-network (TensorFlow listens on 0.0.0.0, so it is refused outside a
-loopback-only namespace); an empty, mistyped or foreign bind address being
-refused rather than taken for the choice to serve on the network; the liveness probe telling an answering server
-from a stopped one (which the kernel still accepts connections for) and from
-a closed port; and waits that end, naming the task that did not come up.
-Real servers are started by tests/launcher_test.py. Everything here binds to
-127.0.0.1 only.
+A user relies on: a loopback bind never turning into a server on the network
+(TensorFlow listens on 0.0.0.0, so it is refused outside a loopback-only
+namespace); an empty, mistyped or foreign bind address being refused rather
+than taken for the choice to serve on the network; the liveness probe
+telling an answering server from a stopped one (which the kernel still
+accepts connections for) and from a closed port; and waits that end, naming
+the task that did not come up. Real servers are started by
+tests/launcher_test.py. Everything here binds to 127.0.0.1 only.
 """
 
 import re

@@ -282,9 +282,10 @@ def AbortWorkerLost(message):
 def RunController(fn, tasks, watchdog=None):
   """Runs fn() with a watchdog; a lost worker ends the process clearly.
 
-  The watchdog is started if it is not running yet. Connection errors raised by TensorFlow (UnavailableError and friends) are
-  traced to the worker that no longer answers, reported, and the process
-  exits with EXIT_WORKER_LOST.
+  The watchdog is started if it is not running yet. Connection errors
+  raised by TensorFlow (UnavailableError and friends) are traced to the
+  worker that no longer answers, reported, and the process exits with
+  EXIT_WORKER_LOST.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   watchdog = watchdog or Watchdog(tasks)

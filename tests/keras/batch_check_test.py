@@ -1,4 +1,4 @@
-"""Tests of tfpipe.keras.batch_check: no batch smaller than M reaches the pipeline.
+"""Tests of tfpipe.keras.batch_check: no batch below M reaches the pipeline.
 
 A user relies on: fit, evaluate and predict refusing, before anything
 trains, data whose batches (the last one of an epoch included, and the

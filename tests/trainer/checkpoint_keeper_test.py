@@ -1,13 +1,13 @@
 """Tests of tfpipe.trainer.checkpoint_keeper on a two-variable checkpoint.
 
 Protected properties: old checkpoints are deleted only after a newer one
-read back, and one the trainer protects is not deleted; a save that does not read back (or holds a NaN) is removed and
-the previous ones and the state file stay; a restore takes the newest
-checkpoint that reads back whatever the state file says, warns about and
-moves aside damaged newer ones, and refuses (changing nothing) when none
-reads back; a checkpoint of another model is a CheckpointMismatchError;
-leftovers of interrupted saves are removed. The trainer-level faults are in
-data_safety_test.py.
+read back, and one the trainer protects is not deleted; a save that does not
+read back (or holds a NaN) is removed and the previous ones and the state
+file stay; a restore takes the newest checkpoint that reads back whatever
+the state file says, warns about and moves aside damaged newer ones, and
+refuses (changing nothing) when none reads back; a checkpoint of another
+model is a CheckpointMismatchError; leftovers of interrupted saves are
+removed. The trainer-level faults are in data_safety_test.py.
 """
 
 import os
@@ -58,8 +58,8 @@ def test_a_protected_checkpoint_is_kept_beyond_max_to_keep(tmp_path):
   for step in (2, 3, 4):
     state.SaveAt(step)
   assert state.keeper.numbers == [1, 3, 4]
-  assert tf.train.get_checkpoint_state(str(tmp_path)).all_model_checkpoint_paths[
-      0].endswith('ckpt-1')
+  state = tf.train.get_checkpoint_state(str(tmp_path))
+  assert state.all_model_checkpoint_paths[0].endswith('ckpt-1')
   assert 'ckpt-2.index' not in _Files(tmp_path)
 
 

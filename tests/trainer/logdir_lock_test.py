@@ -106,7 +106,7 @@ def test_unwritable_logdir_is_named(tmp_path):
     logdir_lock.LogdirLock(path).Acquire()
 
 
-# ---- a lock file planted by someone else --------------------------------------
+# ---- a lock file planted by someone else -------------------------------------
 
 
 def _Prepared(logdir):

@@ -65,7 +65,7 @@ def test_the_batch_split_changes_training_where_batch_norm_sees_it():
     assert params_file.IsLayoutParam(key)
 
 
-# ---- what each pipeline field accepted as execution-only computes -------------
+# ---- what each pipeline field accepted as execution-only computes ------------
 
 # Changed values of every field of LAYOUT_PARAMS and BATCH_SPLIT_PARAMS (but
 # cell_tpl, which the task sets), several per run to keep the test short.
@@ -126,7 +126,7 @@ def test_the_batch_split_changes_the_losses_of_a_model_with_batch_norm():
   assert abs(changed[0] - reference[0]) > 1e-4
 
 
-# ---- comparing with the logdir's params.txt -----------------------------------
+# ---- comparing with the logdir's params.txt ----------------------------------
 
 
 def test_layout_and_length_changes_pass_with_one_line(tmp_path):
@@ -157,6 +157,15 @@ def test_model_and_training_changes_are_refused_with_the_diff(tmp_path):
   assert want in message + '\n'
   assert '--allow_params_change' in message and str(tmp_path) in message
   assert (tmp_path / 'params.txt').read_text() == old.ToText()
+
+
+def test_every_registered_models_params_txt_reads_as_params():
+  for name in model_registry.ListModels():
+    text = model_registry.GetParams(name).ToText()
+    assert params_file.UnreadableReason(text.encode()) is None, name
+  odd = _Params(**{'task.train.learning_rate': float('nan'),
+                   'task.train.clip_gradient_norm': float('-inf')})
+  assert params_file.UnreadableReason(odd.ToText().encode()) is None
 
 
 def test_another_model_is_refused(tmp_path):
@@ -210,7 +219,12 @@ def test_checkpoints_without_params_txt_are_refused_unless_allowed(tmp_path):
     (b'\x89\xfe\x00garbage\xff' * 20, 'byte 0 is not UTF-8 text'),
     (b'', 'it is empty'),
     (b'task.train.max_steps : 300\nthis line was overwritten\n',
-     'line 2 is not "name : value"')], ids=['random-bytes', 'empty', 'garbled'])
+     'line 2 does not read as "name : value"'),
+    (b"model : 'mlp.TinyMlp'\ninput.seed : 100003!!x##\n",
+     'line 2 does not read as "name : value"'),
+    (b"model : 'mlp.TinyMlp'\ninput.file_pattern : '/data/tr", 'line 2')],
+                         ids=['random-bytes', 'empty', 'garbled', 'bad-value',
+                              'truncated'])
 def test_an_unreadable_params_txt_is_named_as_such(tmp_path, content, why):
   # It was refused as "differs only in how the run executes", or raised a
   # UnicodeDecodeError.

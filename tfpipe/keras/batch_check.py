@@ -1,4 +1,4 @@
-"""Batches too small for the pipeline, refused before fit, evaluate or predict run.
+"""Batches smaller than M, refused before fit, evaluate or predict run.
 
 The pipeline splits every batch into num_micro_batches micro-batches, and
 each needs an example. A smaller batch fails inside the traced step, as
@@ -66,7 +66,7 @@ def _DatasetBatches(dataset):
 
 
 def BatchSizes(x, batch_size=None, validation_split=0.0, part='train'):
-  """{size: why} of the batches Keras makes of `x`; None if known only as it runs.
+  """{size: why} of the batches Keras makes of `x`; None if known only later.
 
   Args:
     x: what is passed to fit/evaluate/predict (arrays, tensors, a dict or

@@ -31,7 +31,9 @@ has trained nothing to protect (a first run that stopped early): a
 corrected run is accepted there, saying so.
 """
 
+import ast
 import os
+import re
 
 PARAMS_FILE = 'params.txt'
 
@@ -95,11 +97,28 @@ def UnreadableReason(data):
   if not any(line.strip() for line in lines):
     return 'it is empty'
   for number, line in enumerate(lines, 1):
-    key, sep, _ = line.partition(' : ')
-    if line.strip() and (not sep or not key.strip() or ' ' in key.strip()):
+    key, sep, value = line.partition(' : ')
+    if line.strip() and not (sep and _KEY_RE.match(key.strip()) and
+                             _IsValueText(value.strip())):
       shown = line if len(line) <= 60 else line[:57] + '...'
-      return f'line {number} is not "name : value": {shown!r}'
+      return f'line {number} does not read as "name : value": {shown!r}'
   return None
+
+
+# What `Params.ToText` writes: a dotted name (list items indexed), then a
+# Python literal, or a name (a class, an enum, nan) or a call-like repr.
+_KEY_RE = re.compile(r'^[A-Za-z_]\w*(\[\d+\])?(\.[A-Za-z_]\w*(\[\d+\])?)*$')
+_NAME_VALUE_RE = re.compile(r'^-?[A-Za-z_][\w.]*(\(.*\))?$')
+
+
+def _IsValueText(text):
+  if _NAME_VALUE_RE.match(text):
+    return True
+  try:
+    ast.literal_eval(text)
+  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    return False
+  return True
 
 
 def Differences(old_text, new_text):

@@ -246,7 +246,7 @@ class Trainer:
       others = f' (and {len(bad) - 1} more variables)' if len(bad) > 1 else ''
       raise TrainingStopped(
           f'Step {step}: {bad[0]}{others} holds non-finite values, so no '
-          'checkpoint was written. ' + self._LastGood() + _NAN_ADVICE)
+          'checkpoint was written. ' + self._LastGood() + self._NanAdvice())
     self.manager.save(checkpoint_number=step)
     if self._params_to_write is not None:
       params_file.WriteParams(self._logdir, self._params,
@@ -270,6 +270,14 @@ class Trainer:
     if after:
       text += f'; {", ".join(after)} came after skipped updates'
     return text + '. '
+
+  def _NanAdvice(self):
+    skip = ('raise --max_nan_skips to skip more such updates'
+            if self._nan_policy == 'skip' else
+            'pass --nan_policy=skip to skip such updates')
+    return ('Lower task.train.learning_rate, keep '
+            f'task.train.clip_gradient_norm > 0, or {skip}; resume with '
+            '--allow_params_change if you change params.')
 
   def _SaveUnlessSkipped(self, step, skipped):
     """Saves `step` unless its update was skipped; whether it saved."""
@@ -303,7 +311,7 @@ class Trainer:
       why = f'{what} is not finite'
     raise TrainingStopped(
         f'Step {step}: {why}; stopped before saving anything from it. '
-        + self._LastGood() + _NAN_ADVICE)
+        + self._LastGood() + self._NanAdvice())
 
   def Train(self):
     """Trains to `task.train.max_steps`; returns the final eval metrics.
@@ -422,9 +430,3 @@ class Trainer:
         f'Final: step={self.step} {trained}eval: {FormatMetrics(final)} '
         f'train_time={time.time() - run_start:.1f}s')
     return final
-
-
-_NAN_ADVICE = ('Lower task.train.learning_rate, keep '
-               'task.train.clip_gradient_norm > 0, or pass --nan_policy=skip '
-               'to skip such updates; resume with --allow_params_change if '
-               'you change params.')
