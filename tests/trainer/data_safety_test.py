@@ -421,8 +421,8 @@ def test_a_run_that_stopped_before_its_first_checkpoint_gives_way(tmp_path):
   fixed = _Params(**{'task.train.learning_rate': 1e-4})
   lines, trainer = _Train(tmp_path, fixed)
   assert any(l.endswith('has no checkpoint yet, so nothing was trained with '
-                        'them: this run starts from step 0 with its own params '
-                        '(the old params.txt is kept as '
+                        'that params.txt: this run starts from step 0 with its '
+                        'own params (the old params.txt is kept as '
                         'params.before_step_0.txt).') for l in lines), lines
   assert trainer.step == 8
   assert (tmp_path / 'params.txt').read_text() == fixed.ToText()

@@ -249,10 +249,13 @@ def test_params_txt_without_checkpoints_gives_way_to_a_corrected_run(tmp_path):
   logs = []
   comparison = params_file.CheckParams(str(tmp_path), new, log=logs.append,
                                        has_checkpoints=False)
-  assert len(logs) == 1 and logs[0].endswith(
-      f'{tmp_path} has no checkpoint yet, so nothing was trained with them: '
-      'this run starts from step 0 with its own params (the old params.txt '
-      'is kept as params.before_step_0.txt).')
+  assert len(logs) == 1 and logs[0].startswith(
+      f"{tmp_path}/params.txt differs from this run's params; the differences "
+      'change the model or the training')
+  assert logs[0].endswith(
+      f'{tmp_path} has no checkpoint yet, so nothing was trained with that '
+      'params.txt: this run starts from step 0 with its own params (the old '
+      'params.txt is kept as params.before_step_0.txt).')
   assert '- task.model.hidden_dim : 32\n+ task.model.hidden_dim : 8' in logs[0]
   params_file.WriteParams(str(tmp_path), new, comparison)
   assert (tmp_path / 'params.txt').read_text() == new.ToText()

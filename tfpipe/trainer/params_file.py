@@ -195,12 +195,13 @@ class Comparison:
             'unchanged): ' + ', '.join(
                 f'{k} {o} -> {n}' for k, o, n in self.execution) + '.')
 
-  def Problem(self, logdir):
+  def Problem(self, logdir, has_checkpoints=True):
     """Why the params.txt does not vouch for this run's params, or None."""
     path = _Path(logdir)
     if self.unreadable:
-      return (f'{path} is unreadable ({self.unreadable}), so nothing tells '
-              'which params trained its checkpoints.')
+      return f'{path} is unreadable ({self.unreadable})' + (
+          ', so nothing tells which params trained its checkpoints.'
+          if has_checkpoints else '.')
     if not self.has_params_file:
       return (f'--logdir={logdir} has checkpoints but no {PARAMS_FILE}, so '
               'nothing tells which params trained them.')
@@ -209,9 +210,11 @@ class Comparison:
       why = (f' ({", ".join(split)}: this model has batch norm, which '
              'normalizes each micro-batch with its own statistics, so how '
              'the batch is split changes training.)' if split else '')
-      return (f'--logdir={logdir} was trained with other params; these '
-              'differences change the model or the training (- its '
-              f'params.txt, + this run):\n{DiffText(self.training)}{why}')
+      what = (f'--logdir={logdir} was trained with other params; these '
+              'differences' if has_checkpoints else
+              f'{path} differs from this run\'s params; the differences')
+      return (f'{what} change the model or the training (- its params.txt, '
+              f'+ this run):\n{DiffText(self.training)}{why}')
     return None
 
 
@@ -240,7 +243,7 @@ def CheckParams(logdir, params, allow_change=False, log=print,
                           batch_split_is_exact)
   if not comparison.has_params_file and not has_checkpoints:
     return comparison  # A new logdir.
-  problem = comparison.Problem(logdir)
+  problem = comparison.Problem(logdir, has_checkpoints)
   if problem is None:
     line = comparison.ExecutionLine()
     if line:
@@ -248,8 +251,8 @@ def CheckParams(logdir, params, allow_change=False, log=print,
     return comparison
   if not has_checkpoints:
     log(f'{problem}\n{logdir} has no checkpoint yet, so nothing was trained '
-        'with them: this run starts from step 0 with its own params (the old '
-        f'{PARAMS_FILE} is kept as params.before_step_0.txt).')
+        f'with that {PARAMS_FILE}: this run starts from step 0 with its own '
+        f'params (the old {PARAMS_FILE} is kept as params.before_step_0.txt).')
   elif allow_change:
     log(f'{ALLOW_FLAG}: resuming with this run\'s params. {problem}')
   else:
