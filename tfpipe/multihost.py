@@ -189,7 +189,11 @@ def SetUpController(flag_values, params):
     servers.WaitForTasks(workers, timeout_s=60.0)
     controller = Controller(flag_values, spec, job, task)
     controller.watchdog.Start()
-    servers.ConnectToCluster(spec, job, task, flag_values.bind_address)
+    try:
+      servers.ConnectToCluster(spec, job, task, flag_values.bind_address)
+    except BaseException:
+      controller.watchdog.Stop()
+      raise
   devices = device_names.PipelineDevices(
       pipeline.num_partitions, len(workers), num_replicas,
       devices_per_worker=flag_values.devices_per_worker)
