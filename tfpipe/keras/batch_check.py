@@ -7,11 +7,11 @@ batches before it have trained. Keras' last batch of an epoch is the smaller
 one when the batch size does not divide the data, so a fit that starts well
 used to stop near the end of its first epoch.
 
-`CheckBatches` works out the sizes of the batches Keras will make before
+`CallProblem` works out the sizes of the batches Keras will make before
 anything runs: exactly for arrays and tensors (Keras slices them into
 batch_size rows and a remainder, after taking off validation_split), and
-from the element spec for a tf.data.Dataset with a static batch size. It
-refuses a batch smaller than M with an error naming batch_size and
+from the element spec for a tf.data.Dataset with a static batch size, and
+says why a batch smaller than M is refused, naming batch_size and
 num_micro_batches. A dataset batched without drop_remainder (or a generator)
 has sizes known only as it runs; for those `ShortRuntimeErrors` turns the
 runtime failure into a one-line error.
@@ -86,47 +86,43 @@ def BatchSizes(x, batch_size=None, validation_split=0.0, part='train'):
   return _ArrayBatches(rows, batch_size or DEFAULT_BATCH_SIZE)
 
 
-def CheckBatches(name, num_micro_batches, sizes, what):
-  """Raises ValueError if a batch of `sizes` ({size: why}) is smaller than M."""
+def BatchProblem(name, num_micro_batches, sizes, what):
+  """The error message if a batch of `sizes` ({size: why}) is below M."""
   small = sorted(size for size in sizes or {} if size < num_micro_batches)
-  if small:
-    raise ValueError(
-        f'{name}: {what} would get a batch of {small[0]} example(s) '
-        f'({sizes[small[0]]}), fewer than num_micro_batches='
-        f'{num_micro_batches}: every micro-batch needs an example. Use a '
-        'batch_size whose batches (the last one too) hold at least '
-        f'{num_micro_batches}, drop the remainder (tf.data: batch(..., '
-        'drop_remainder=True)), or pipeline with fewer micro-batches.')
+  if not small:
+    return None
+  return (f'{name}: {what} would get a batch of {small[0]} example(s) '
+          f'({sizes[small[0]]}), fewer than num_micro_batches='
+          f'{num_micro_batches}: every micro-batch needs an example. Use a '
+          'batch_size whose batches (the last one too) hold at least '
+          f'{num_micro_batches}, drop the remainder (tf.data: batch(..., '
+          'drop_remainder=True)), or pipeline with fewer micro-batches.')
 
 
-def CheckCall(name, num_micro_batches, method, arguments):
-  """CheckBatches for a call of keras.Model `method` ('fit', 'evaluate' or
-  'predict') with `arguments` ({name: value}, defaults included)."""
-  if method == 'fit':
-    CheckFit(name, num_micro_batches, arguments['x'], arguments['batch_size'],
-             arguments['validation_split'], arguments['validation_data'],
-             arguments['validation_batch_size'])
+def CallProblem(name, num_micro_batches, method, arguments):
+  """BatchProblem of a call of keras.Model `method` ('fit', 'evaluate' or
+  'predict') with `arguments` ({name: value}, defaults included).
+
+  fit's validation batches count too: from validation_split (the last part
+  of the arrays) or validation_data.
+  """
+  x, batch_size = arguments['x'], arguments['batch_size']
+  if method != 'fit':
+    return BatchProblem(name, num_micro_batches, BatchSizes(x, batch_size),
+                        method)
+  split = arguments['validation_split']
+  val_batch_size = arguments['validation_batch_size'] or batch_size
+  if split:
+    validation = BatchSizes(x, val_batch_size, split, 'validation')
   else:
-    CheckBatches(name, num_micro_batches, BatchSizes(
-        arguments['x'], arguments['batch_size']), method)
-
-
-def CheckFit(name, num_micro_batches, x, batch_size=None, validation_split=0.0,
-             validation_data=None, validation_batch_size=None):
-  """CheckBatches for fit's training and validation batches."""
-  CheckBatches(name, num_micro_batches,
-               BatchSizes(x, batch_size, validation_split), 'fit')
-  if validation_split:
-    CheckBatches(name, num_micro_batches, BatchSizes(
-        x, validation_batch_size or batch_size, validation_split,
-        'validation'), 'fit\'s validation')
-  elif validation_data is not None:
-    val_x = validation_data
-    if isinstance(validation_data, (tuple, list)) and not isinstance(
-        validation_data, tf.data.Dataset):
-      val_x = validation_data[0]
-    CheckBatches(name, num_micro_batches, BatchSizes(
-        val_x, validation_batch_size or batch_size), 'fit\'s validation')
+    val_x = arguments['validation_data']
+    if isinstance(val_x, (tuple, list)):
+      val_x = val_x[0]
+    validation = None if val_x is None else BatchSizes(val_x, val_batch_size)
+  return (BatchProblem(name, num_micro_batches,
+                       BatchSizes(x, batch_size, split), 'fit') or
+          BatchProblem(name, num_micro_batches, validation,
+                       'fit\'s validation'))
 
 
 @contextlib.contextmanager

@@ -303,9 +303,11 @@ class PipelinedModel(keras.Model):
 
   def _BatchChecked(self, method, args, kwargs):
     """method(self, *args, **kwargs) once batch_check accepts its batches."""
-    batch_check.CheckCall(self.name, self.pipe.p.num_micro_batches,
-                          method.__name__,
-                          _BoundArguments(method, self, args, kwargs))
+    problem = batch_check.CallProblem(
+        self.name, self.pipe.p.num_micro_batches, method.__name__,
+        _BoundArguments(method, self, args, kwargs))
+    if problem:
+      raise ValueError(problem)
     with batch_check.ShortRuntimeErrors(self.name):
       return method(self, *args, **kwargs)
 
