@@ -30,10 +30,13 @@ from tfpipe import multihost
 from tfpipe import quiet
 from tfpipe.trainer import logdir_lock
 
-MODES = ('train', 'eval', 'inspect_params', 'inspect_model')
+MODES = ('train', 'eval', 'inspect_params', 'inspect_model', 'list_models')
 
 flags.DEFINE_string('model', 'lm.TinyTransformerLm',
-                    'Registered name of the experiment, e.g. lm.TinyTransformerLm.')
+                    'The experiment: a registered name, e.g. '
+                    'lm.TinyTransformerLm, or the import path of your own '
+                    'class, e.g. my_project.experiments.MyLm '
+                    '(--mode=list_models lists them).')
 flags.DEFINE_string('logdir', None,
                     'Directory of checkpoints, summaries and params.txt.')
 flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
@@ -164,16 +167,17 @@ def ParseBalance(text):
 
 
 def CheckPartition(p):
-  """Raises UsageError if the model cannot be cut as the params say.
+  """The cells' params; raises UsageError if the model cannot be cut so.
 
   Uses only the layers' cost models, so it runs before TensorFlow starts;
-  balance='time' profiles on devices and is checked when the task is built.
+  balance='time' profiles on devices and is checked when the task is built
+  (None is returned then).
   """
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
   if p.task.pipeline.balance == 'time':
-    return
+    return None
   try:
-    task_lib.PartitionCells(p.task, p.task.model.Instantiate())
+    return task_lib.PartitionCells(p.task, p.task.model.Instantiate())
   except ValueError as e:
     raise app.UsageError(
         f'{_Message(e)} (task.pipeline.num_partitions='
@@ -237,10 +241,32 @@ def CheckDevices(p):
     raise app.UsageError(_Message(e)) from None
 
 
-def InspectModel(p):
+def CheckInputs(p, mode):
+  """Raises UsageError if an input the run reads cannot feed the model.
+
+  The eval input too, in a training run: it is read only after training.
+  """
+  from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
+  names = ('input', 'eval_input') if mode == 'train' else ('eval_input',)
+  try:
+    train_loop.CheckInputs(p, names)
+  except ValueError as e:
+    raise app.UsageError(_Message(e)) from None
+
+
+def InspectModel(p, cells=None):
   """A table of the cells: layers, device, parameter count and cost."""
   from tfpipe.trainer import model_inspect  # pylint: disable=g-import-not-at-top
-  return model_inspect.ModelTable(p)
+  return model_inspect.ModelTable(p, cells)
+
+
+def ListModels():
+  """One line per experiment: its --model name and its docstring's first line."""
+  from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
+  names = model_registry.ListModels()
+  width = max(len(n) for n in names)
+  return '\n'.join(f'{n:<{width}}  {model_registry.Describe(n)}'.rstrip()
+                   for n in names)
 
 
 def main(argv):
@@ -253,6 +279,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   show_startup_log = quiet.ShowStartupLog(verbosity)
   quiet.ImportTensorFlow(show_startup_log)
+  if FLAGS.mode == 'list_models':
+    print(ListModels())
+    return 0
   try:
     if multihost.MaybeServe(FLAGS):
       return 0
@@ -273,7 +302,7 @@ def main(argv):
       logdir_lock.PrepareLogdir(FLAGS.logdir)
     except logdir_lock.LogdirError as e:
       raise app.UsageError(str(e)) from None
-  CheckPartition(p)
+  cells = CheckPartition(p)
   with quiet.QuietStderr(show_startup_log):
     ConfigureDevices(p)
   try:
@@ -282,8 +311,9 @@ def main(argv):
     raise app.UsageError(_Message(e)) from None
   CheckDevices(p)
   if FLAGS.mode == 'inspect_model':
-    print(InspectModel(p))
+    print(InspectModel(p, cells))
     return 0
+  CheckInputs(p, FLAGS.mode)
 
   from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
   trainer = train_loop.Trainer(
