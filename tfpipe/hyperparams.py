@@ -253,10 +253,18 @@ class Params:
   def _HasTargetClassLine(self):
     return '_cls' in self.__dict__ and 'cls' not in self._params
 
-  def ToText(self):
-    """One `dotted.name : value` line per leaf, sorted: readable and diffable."""
-    return ''.join(f'{k} : {_ValueToText(v)}\n'
-                   for k, v in sorted(self._Flatten()))
+  def ToText(self, docs=False):
+    """One `dotted.name : value` line per leaf, sorted: readable and diffable.
+
+    With docs=True each line follows a `# <description>` line (the param's
+    Define sentence), which FromText skips.
+    """
+    lines = []
+    for key, value, doc in sorted(self.Leaves(), key=lambda leaf: leaf[0]):
+      if docs and doc:
+        lines.append(f'# {doc}\n')
+      lines.append(f'{key} : {_ValueToText(value)}\n')
+    return ''.join(lines)
 
   def FromText(self, text):
     """Sets params from `ToText` output or `a.b: 1; c: 'x'` overrides.
@@ -388,6 +396,11 @@ def _ValuesEqual(a, b):
     return bool(all(eq)) if hasattr(eq, '__iter__') else bool(eq)
   except Exception:  # pylint: disable=broad-except
     return a is b
+
+
+def FormatValue(value):
+  """A value as `ToText` writes it: a literal, or a class by its import path."""
+  return _ValueToText(value)
 
 
 def _ValueToText(value):

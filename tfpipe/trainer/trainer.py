@@ -40,6 +40,9 @@ flags.DEFINE_string('model', 'lm.TinyTransformerLm',
 flags.DEFINE_string('logdir', None,
                     'Directory of checkpoints, summaries and params.txt.')
 flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
+flags.DEFINE_boolean('params_docs', False,
+                     'With --mode=inspect_params, put each param\'s '
+                     'one-sentence description above it as a # line.')
 flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.',
                      lower_bound=1)
 flags.DEFINE_integer('seed', None,
@@ -169,9 +172,9 @@ def ParseBalance(text):
 def CheckPartition(p):
   """The cells' params; raises UsageError if the model cannot be cut so.
 
-  Uses only the layers' cost models, so it runs before TensorFlow starts;
-  balance='time' profiles on devices and is checked when the task is built
-  (None is returned then).
+  Uses only the layers' cost models (a layer without its own builds a copy
+  off to the side); balance='time' profiles on devices and is checked when
+  the task is built (None is returned then).
   """
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
   if p.task.pipeline.balance == 'time':
@@ -289,7 +292,7 @@ def main(argv):
     raise app.UsageError(_Message(e)) from None
   p = BuildParams()
   if FLAGS.mode == 'inspect_params':
-    print(p.ToText(), end='')
+    print(p.ToText(docs=FLAGS.params_docs), end='')
     # From the layers' cost models: no variable is created, so the paper's
     # billion-parameter configurations report their size in a moment.
     print(f'# trainable parameters: {p.task.model.Instantiate().NumParams():,}')
@@ -302,9 +305,11 @@ def main(argv):
       logdir_lock.PrepareLogdir(FLAGS.logdir)
     except logdir_lock.LogdirError as e:
       raise app.UsageError(str(e)) from None
-  cells = CheckPartition(p)
   with quiet.QuietStderr(show_startup_log):
     ConfigureDevices(p)
+  # After the devices: a layer without its own FPropMeta is costed by
+  # instantiating it, which starts TensorFlow.
+  cells = CheckPartition(p)
   try:
     controller = multihost.SetUpController(FLAGS, p)
   except (ValueError, RuntimeError, TimeoutError) as e:
