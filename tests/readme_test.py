@@ -125,6 +125,7 @@ def test_doctest_examples(readme):
                               line)
     examples += len(test.examples)
     runner.run(test, clear_globs=False)
+    session.update(test.globs)
   assert examples >= 3
   assert runner.summarize(verbose=False).failed == 0
 

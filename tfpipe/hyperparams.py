@@ -272,6 +272,9 @@ class Params:
     Values are parsed as Python literals where they can be; otherwise they
     are kept as strings. Each value is checked against the current type.
     """
+    # Whole-line comments (ToText(docs=True)) may hold a ';' of their own.
+    text = '\n'.join(line for line in text.splitlines()
+                     if not line.lstrip().startswith('#'))
     for line in _SplitStatements(text):
       line = line.strip()
       if not line or line.startswith('#'):

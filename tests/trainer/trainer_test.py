@@ -218,6 +218,20 @@ def test_inspect_params(flags_reset, capsys):
   assert 'input.cls : tfpipe.trainer.input_generator.SequenceTaskInput' in text
 
 
+def test_inspect_params_with_docs_round_trips(flags_reset, capsys):
+  del flags_reset
+  _Parse('--mode=inspect_params', '--params_docs')
+  trainer.main(['tfpipe-train'])
+  text = capsys.readouterr().out
+  assert ('# Peak learning rate, scaled by lr_schedule.\n'
+          'task.train.learning_rate : 0.003\n') in text
+  # The # lines are comments: the text still reads back as the params.
+  p = model_registry.GetParams('lm.TinyTransformerLm')
+  q = p.Copy()
+  q.FromText(text.split('# trainable parameters')[0])
+  assert q == p
+
+
 def test_inspect_model(flags_reset, capsys):
   del flags_reset
   _Parse('--mode=inspect_model', '--num_partitions=3', '--nodeterministic')
