@@ -169,23 +169,30 @@ def ParseBalance(text):
   return text
 
 
-def CheckPartition(p):
+def CheckPartition(p, cost_models=True):
   """The cells' params; raises UsageError if the model cannot be cut so.
 
   Uses only the layers' cost models (a layer without its own builds a copy
-  off to the side); balance='time' profiles on devices and is checked when
-  the task is built (None is returned then).
+  off to the side, which starts TensorFlow); balance='time' profiles on
+  devices and is checked when the task is built (None is returned then).
+  With cost_models=False, only what needs none (enough layers, an explicit
+  balance that fits), so it can run before the devices are split.
   """
+  from tfpipe.gpipe import partition  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
-  if p.task.pipeline.balance == 'time':
-    return None
+  pp = p.task.pipeline
   try:
-    return task_lib.PartitionCells(p.task, p.task.model.Instantiate())
+    model = p.task.model.Instantiate()
+    if isinstance(pp.balance, (list, tuple)) or cost_models and (
+        pp.balance != 'time'):
+      return task_lib.PartitionCells(p.task, model)
+    num_layers = len(partition.FlattenSequentialLayers(model.LayerParamsList()))
+    partition.BlockPartition([0.0] * num_layers, pp.num_partitions)
+    return None
   except ValueError as e:
     raise app.UsageError(
-        f'{_Message(e)} (task.pipeline.num_partitions='
-        f'{p.task.pipeline.num_partitions}, balance='
-        f'{p.task.pipeline.balance}: --num_partitions, --balance)') from None
+        f'{_Message(e)} (task.pipeline.num_partitions={pp.num_partitions}, '
+        f'balance={pp.balance}: --num_partitions, --balance)') from None
 
 
 def _Message(e):
@@ -305,6 +312,7 @@ def main(argv):
       logdir_lock.PrepareLogdir(FLAGS.logdir)
     except logdir_lock.LogdirError as e:
       raise app.UsageError(str(e)) from None
+  CheckPartition(p, cost_models=False)
   with quiet.QuietStderr(show_startup_log):
     ConfigureDevices(p)
   # After the devices: a layer without its own FPropMeta is costed by
