@@ -150,8 +150,7 @@ def test_eval_of_a_checkpoint_past_max_steps_says_so(reference, tmp_path):
   assert len(notes) == 1, lines
   assert notes[0].endswith(
       'ckpt-5 is at step 5, past task.train.max_steps=3 (--max_steps): a run '
-      'with a larger --max_steps trained it. Evaluating it as it is; pass '
-      '--max_steps=5 to say so.')
+      'with a larger --max_steps trained it; evaluating it as it is.')
   # At max_steps, or below it, nothing is said.
   lines.clear()
   train_loop.Trainer(_Params(), str(logdir),

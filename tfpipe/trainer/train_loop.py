@@ -213,8 +213,7 @@ class Trainer:
       self._log(
           f'Note: {restored} is at step {self.step}, past '
           f'task.train.max_steps={max_steps} (--max_steps): a run with a '
-          'larger --max_steps trained it. Evaluating it as it is; pass '
-          f'--max_steps={self.step} to say so.')
+          'larger --max_steps trained it; evaluating it as it is.')
     return restored
 
   def _Writer(self, name):
