@@ -307,6 +307,24 @@ def test_seed_path_leaves_out_the_cells_and_sequential_containers():
   np.testing.assert_array_equal(seeds[0], seeds[1])
 
 
+def test_variable_paths_name_the_parents_but_not_the_containers():
+  """Unique, readable names: `block_0/child/w`, not `w` once per block."""
+  block = _Parent.Params().Set(name='block_0')
+  want = ['block_0/child/w', 'block_0/child/b', 'block_0/stack_0/w',
+          'block_0/stack_0/b', 'block_0/named/w', 'block_0/named/b']
+  for container in (
+      block,
+      layers.SequentialLayer.Params().Set(name='cell0', sub=[block]),
+      layers.SequentialLayer.Params().Set(name='cell3', sub=[
+          layers.SequentialLayer.Params().Set(name='encoder', sub=[block])])):
+    assert [v.path for v in container.Instantiate().variables] == want
+  # Two levels of parents, and equally named children of two blocks.
+  top = _Parent.Params().Set(name='top', child=_Parent.Params())
+  paths = [v.path for v in top.Instantiate().variables]
+  assert paths[:2] == ['top/child/child/w', 'top/child/child/b']
+  assert len(set(paths)) == len(paths) == 10
+
+
 def _Bits(shape, salt=7, step=(5, 0), offset=0, **kwargs):
   with base_layer.StepSeed(tf.constant(step, tf.int64), offset):
     return base_layer.StepRandomBits(shape, salt, **kwargs).numpy()

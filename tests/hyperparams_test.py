@@ -309,6 +309,23 @@ def test_text_round_trip_nested():
   assert q.ToText() == p.ToText()
 
 
+def test_to_text_with_docs_puts_each_sentence_above_its_line():
+  p = _Nested()
+  p.Define('clip', 1.0, 'Clip to this norm; 0 disables clipping.')
+  text = p.ToText(docs=True)
+  assert '# Clip to this norm; 0 disables clipping.\nclip : 1.0\n' in text
+  lines = text.splitlines()
+  assert [l for l in lines if not l.startswith('#')] == (
+      p.ToText().splitlines())
+  leaves = {key: doc for key, _, doc in p.Leaves()}
+  assert leaves['sub.rate'] == p.GetDoc('sub.rate')
+  # Comments, ';' in them included, are skipped when read back.
+  p.Set(clip=0.5, **{'sub.rate': 0.25})
+  q = _Nested()
+  q.Define('clip', 1.0, 'Clip to this norm; 0 disables clipping.')
+  assert q.FromText(p.ToText(docs=True)) == p
+
+
 def test_text_round_trip_all_value_kinds():
   p = _AllKinds()
   text = p.ToText()

@@ -15,6 +15,12 @@ Variables are created eagerly in `__init__` when the params say their shapes
 (Lingvo's way). That matters for pipelining: a cell instantiated under
 `tf.device(d)` then has every variable on `d`, which lazily-built Keras layers
 do not guarantee.
+
+A variable's `path` names the layers that created it, e.g.
+`block_3/ffn_in/w`: each `CreateChild` parent, leaving out the containers
+that the partitioner flattens and cuts (`SequentialLayer`, the pipeline's
+cells). So a path is unique in a model and the same for any number of
+partitions, and in the un-pipelined reference of the same layers.
 """
 
 import contextlib
@@ -23,6 +29,7 @@ import numbers
 import threading
 
 import keras
+from keras.src.backend.common import name_scope as keras_name_scope
 import tensorflow as tf
 
 from tfpipe import cost_model
@@ -62,6 +69,34 @@ class _StepContext(threading.local):
 
 
 _STEP_CONTEXT = _StepContext()
+
+
+class _ConstructionContext(threading.local):
+  """The variable-path prefix of the layer whose children are being built.
+
+  Keras names a variable by the name scopes open when it is created, and
+  tfpipe layers create theirs in `__init__`, where the parent's scope is not
+  open. `CreateChild` sets `parent_path` around a child's construction, and
+  the child records it as its Keras `_parent_path`, which Keras then uses
+  for every variable the child creates (now, or later in `build`).
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.parent_path = None
+
+
+_CONSTRUCTION = _ConstructionContext()
+
+
+@contextlib.contextmanager
+def _ChildrenOf(parent_path):
+  old = _CONSTRUCTION.parent_path
+  _CONSTRUCTION.parent_path = parent_path
+  try:
+    yield
+  finally:
+    _CONSTRUCTION.parent_path = old
 
 
 @contextlib.contextmanager
@@ -342,6 +377,12 @@ class BaseLayer(keras.layers.Layer):
       raise ValueError(f'{type(self).__name__}: params.name must be set, e.g. '
                        f'{type(self).__name__}.Params().Set(name="...").')
     super().__init__(name=params.name, dtype=params.dtype, **kwargs)
+    parent_path = _CONSTRUCTION.parent_path
+    _CONSTRUCTION.parent_path = None  # Only direct children inherit it.
+    # Keras reads _parent_path as the layer's place in the model when it
+    # names the layer's variables; it would set it at the first call.
+    self._parent_path = (keras_name_scope.current_path()
+                         if parent_path is None else parent_path)
     self._params = params.Copy().Freeze()
     self._children = {}
     self._seed_path = params.name
@@ -377,7 +418,8 @@ class BaseLayer(keras.layers.Layer):
     p = params.Copy()
     if 'name' in p and not p.name:
       p.name = name
-    child = p.Instantiate()
+    with _ChildrenOf(self.ChildrenPath()):
+      child = p.Instantiate()
     self._children[name] = child
     setattr(self, name, child)
     self._ScopeChildSeeds(child)
@@ -392,7 +434,8 @@ class BaseLayer(keras.layers.Layer):
       p = params.Copy()
       if 'name' in p and not p.name:
         p.name = f'{name}_{i}'
-      children.append(p.Instantiate())
+      with _ChildrenOf(self.ChildrenPath()):
+        children.append(p.Instantiate())
     self._children[name] = children
     setattr(self, name, children)
     for child in children:
@@ -402,6 +445,17 @@ class BaseLayer(keras.layers.Layer):
   @property
   def children(self):
     return dict(self._children)
+
+  def ChildrenPath(self):
+    """The variable-path prefix of this layer's children, e.g. 'block_3'.
+
+    The layer's own place in the model, or, for a container that the
+    partitioner flattens (NAMES_CHILD_SEEDS False), its parent's, so that a
+    variable's path does not depend on the cut.
+    """
+    if not self.NAMES_CHILD_SEEDS:
+      return self._parent_path or ''
+    return '/'.join(filter(None, [self._parent_path, self.name]))
 
   def _trackable_children(self, save_type='checkpoint', **kwargs):
     """Adds trackables held in list attributes to `tf.train.Checkpoint`.

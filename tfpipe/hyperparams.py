@@ -17,6 +17,10 @@ import importlib
 import re
 
 
+_PARAM_NAME = re.compile(r'[a-z][a-z0-9_]*')
+_CLS_DOC = 'The class these params build.'
+
+
 def _ClosestNames(name, candidates, n=3):
   return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)
 
@@ -43,10 +47,10 @@ class _Param:
     self.doc = doc
 
   def __deepcopy__(self, memo):
-    return _Param(self.name, _CopyValue(self.value, memo), self.doc)
+    return _Param(self.name, _CopyValue(self.value), self.doc)
 
 
-def _CopyValue(value, memo):
+def _CopyValue(value):
   """Copies the data of a params tree and shares every other object.
 
   Nested Params and plain containers are copied so a copied params can be
@@ -55,11 +59,11 @@ def _CopyValue(value, memo):
   naming that very layer (and its variables).
   """
   if isinstance(value, Params):
-    return copy.deepcopy(value, memo)
+    return value.Copy()
   if isinstance(value, dict):
-    return type(value)((k, _CopyValue(v, memo)) for k, v in value.items())
+    return type(value)((k, _CopyValue(v)) for k, v in value.items())
   if isinstance(value, (list, tuple)) and not hasattr(value, '_fields'):
-    return type(value)(_CopyValue(v, memo) for v in value)
+    return type(value)(_CopyValue(v) for v in value)
   return value
 
 
@@ -76,7 +80,7 @@ class Params:
     """Adds `name` with its default and a one-sentence description."""
     if self._immutable:
       raise TypeError(f'This Params is frozen; cannot Define {name!r}.')
-    if not isinstance(name, str) or not re.match(r'^[a-z][a-z0-9_]*$', name):
+    if not isinstance(name, str) or not _PARAM_NAME.fullmatch(name):
       raise ValueError(
           f'Param names are lower_case_with_underscores; received {name!r}.')
     if name in self._params:
@@ -204,14 +208,14 @@ class Params:
     return self._CopyTo(type(self).__new__(type(self)))
 
   def _CopyTo(self, result):
-    result.__dict__['_params'] = copy.deepcopy(self._params)
+    # Nested params are copied by Copy (unfrozen); see _CopyValue.
+    result.__dict__['_params'] = {
+        name: _Param(name, _CopyValue(p.value), p.doc)
+        for name, p in self._params.items()}
     result.__dict__['_immutable'] = False
     for name, value in self.__dict__.items():
       if name not in ('_params', '_immutable'):
         result.__dict__[name] = copy.deepcopy(value)
-    for p in result._params.values():  # pylint: disable=protected-access
-      if isinstance(p.value, Params):
-        p.value.__dict__['_immutable'] = False
     return result
 
   def __deepcopy__(self, memo):
@@ -221,29 +225,46 @@ class Params:
 
   def _Flatten(self, prefix=''):
     """Yields (dotted_name, value) for every leaf."""
-    for name, value in self.IterParams():
-      key = prefix + name
+    for key, value, _ in self.Leaves(prefix):
+      yield key, value
+
+  def Leaves(self, prefix=''):
+    """Yields (dotted_name, value, doc) for every leaf, in definition order.
+
+    What `ToText` prints, with each param's one-sentence description; the
+    `cls` line of a nested instantiable params is documented as its class.
+    """
+    for name, param in self._params.items():
+      key, value = prefix + name, param.value
       if isinstance(value, Params):
         if value._HasTargetClassLine():  # pylint: disable=protected-access
-          yield key + '.cls', value.__dict__['_cls']
-        yield from value._Flatten(key + '.')  # pylint: disable=protected-access
+          yield key + '.cls', value.__dict__['_cls'], _CLS_DOC
+        yield from value.Leaves(key + '.')
       elif _IsParamsList(value):
         for i, item in enumerate(value):
           if item._HasTargetClassLine():  # pylint: disable=protected-access
-            yield f'{key}[{i}].cls', item.__dict__['_cls']
-          yield from item._Flatten(f'{key}[{i}].')  # pylint: disable=protected-access
+            yield f'{key}[{i}].cls', item.__dict__['_cls'], _CLS_DOC
+          yield from item.Leaves(f'{key}[{i}].')
         if not value:
-          yield key, []
+          yield key, [], param.doc
       else:
-        yield key, value
+        yield key, value, param.doc
 
   def _HasTargetClassLine(self):
     return '_cls' in self.__dict__ and 'cls' not in self._params
 
-  def ToText(self):
-    """One `dotted.name : value` line per leaf, sorted: readable and diffable."""
-    return ''.join(f'{k} : {_ValueToText(v)}\n'
-                   for k, v in sorted(self._Flatten()))
+  def ToText(self, docs=False):
+    """One `dotted.name : value` line per leaf, sorted: readable and diffable.
+
+    With docs=True each line follows a `# <description>` line (the param's
+    Define sentence), which FromText skips.
+    """
+    lines = []
+    for key, value, doc in sorted(self.Leaves(), key=lambda leaf: leaf[0]):
+      if docs and doc:
+        lines.append(f'# {doc}\n')
+      lines.append(f'{key} : {_ValueToText(value)}\n')
+    return ''.join(lines)
 
   def FromText(self, text):
     """Sets params from `ToText` output or `a.b: 1; c: 'x'` overrides.
@@ -251,6 +272,9 @@ class Params:
     Values are parsed as Python literals where they can be; otherwise they
     are kept as strings. Each value is checked against the current type.
     """
+    # Whole-line comments (ToText(docs=True)) may hold a ';' of their own.
+    text = '\n'.join(line for line in text.splitlines()
+                     if not line.lstrip().startswith('#'))
     for line in _SplitStatements(text):
       line = line.strip()
       if not line or line.startswith('#'):
@@ -375,6 +399,11 @@ def _ValuesEqual(a, b):
     return bool(all(eq)) if hasattr(eq, '__iter__') else bool(eq)
   except Exception:  # pylint: disable=broad-except
     return a is b
+
+
+def FormatValue(value):
+  """A value as `ToText` writes it: a literal, or a class by its import path."""
+  return _ValueToText(value)
 
 
 def _ValueToText(value):

@@ -1,14 +1,28 @@
 """Registry of experiment configurations, looked up by name from the command line.
 
-The trainer is given `--model=lm.TinyTransformerLm`; this module maps that
-name to the class defined in `params/lm.py` and builds its params. The name is
-derived from where the class lives (module path under the top-level `params`
-package, then the class name), so it never drifts from the code, and modules
-are imported only when a name asks for them.
+The trainer is given `--model=NAME`. NAME is one of:
+
+* a configuration shipped with tfpipe, named after where it lives under the
+  top-level `params` package: `lm.TinyTransformerLm` is the class
+  `TinyTransformerLm` of `params/lm.py`;
+* the import path of a class of your own, anywhere on `sys.path`:
+  `my_project.experiments.MyLm` is the class `MyLm` of
+  `my_project/experiments.py`. No registration and no change to tfpipe is
+  needed; the class subclasses `base_model_params.SingleTaskModelParams`.
+
+Names derive from where a class lives, so they never drift from the code,
+and modules are imported only when a name asks for them. Listing every
+experiment (`ListModels`, the trainer's `--mode=list_models` and its
+unknown-model error) imports the `params` package and the modules that
+installed packages name under the entry-point group `tfpipe.experiments`
+(ENTRY_POINT_GROUP), e.g. in a project's pyproject.toml:
+
+  [project.entry-points."tfpipe.experiments"]
+  my_project = "my_project.experiments"
 
 Usage:
 
-  @model_registry.RegisterSingleTaskModel
+  @model_registry.RegisterSingleTaskModel   # optional outside `params`
   class TinyTransformerLm(base_model_params.SingleTaskModelParams):
     ...
 
@@ -18,39 +32,45 @@ Usage:
 
 import difflib
 import importlib
+from importlib import metadata
+import inspect
 import pkgutil
 
 from tfpipe import base_model_params
 from tfpipe import hyperparams
 
 PARAMS_PACKAGE = 'params'
+ENTRY_POINT_GROUP = 'tfpipe.experiments'
 
 _REGISTRY = {}
 
 
 class ModelNotFoundError(LookupError):
-  """No registered experiment has the requested name."""
+  """No experiment has the requested name."""
 
 
-def _RegisteredName(cls):
-  module = cls.__module__
+def RegisteredName(cls):
+  """`lm.TinyTransformerLm` under `params`, else the import path `module.Class`."""
   prefix = PARAMS_PACKAGE + '.'
-  if not module.startswith(prefix):
-    raise ValueError(
-        f'RegisterSingleTaskModel: {cls.__qualname__} is defined in module '
-        f'{module!r}; registered configurations must live in a module under '
-        f'the top-level {PARAMS_PACKAGE!r} package (e.g. params/lm.py).')
-  return module[len(prefix):] + '.' + cls.__name__
+  module = cls.__module__
+  if module.startswith(prefix):
+    module = module[len(prefix):]
+  return module + '.' + cls.__name__
+
+
+def _IsExperiment(obj):
+  return (isinstance(obj, type) and
+          issubclass(obj, base_model_params.SingleTaskModelParams) and
+          obj is not base_model_params.SingleTaskModelParams)
 
 
 def RegisterSingleTaskModel(cls):
-  """Class decorator registering an experiment as `<module under params>.<Class>`."""
-  if not (isinstance(cls, type) and
-          issubclass(cls, base_model_params.SingleTaskModelParams)):
+  """Class decorator registering an experiment under `RegisteredName(cls)`."""
+  if not _IsExperiment(cls):
     raise TypeError(
         f'RegisterSingleTaskModel expects a subclass of '
         f'SingleTaskModelParams; received {cls!r}.')
-  name = _RegisteredName(cls)
+  name = RegisteredName(cls)
   old = _REGISTRY.get(name)
   if old is not None and old is not cls and (
       old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
@@ -59,57 +79,110 @@ def RegisterSingleTaskModel(cls):
   return cls
 
 
-def _ImportModuleFor(name):
-  """Imports `params.<module>` for a registered name `<module>.<Class>`."""
-  if '.' not in name:
-    return
-  module_name = PARAMS_PACKAGE + '.' + name.rsplit('.', 1)[0]
+def _ImportIfExists(module_name):
+  """The module, or None if it (or a package above it) does not exist.
+
+  A missing import inside an existing module is a real error and surfaces.
+  """
   try:
-    importlib.import_module(module_name)
+    return importlib.import_module(module_name)
   except ModuleNotFoundError as e:
-    # A missing module means an unknown name; a missing import inside an
-    # existing module is a real error and must surface.
-    if e.name is None or not module_name.startswith(e.name):
+    if e.name is None or not (module_name + '.').startswith(e.name + '.'):
       raise
+    return None
 
 
-def _ImportAllParamsModules():
+def _ExperimentsOf(module):
+  """{registered name: class} of the experiment classes a module defines."""
+  return {RegisteredName(obj): obj for _, obj in inspect.getmembers(module)
+          if _IsExperiment(obj) and obj.__module__ == module.__name__ and
+          not obj.__name__.startswith('_')}
+
+
+def _FindByImportPath(name):
+  """The class `name` names as `<module>.<Class>`, or None.
+
+  It is registered under its RegisteredName (which for a class under
+  `params` is shorter than the import path that found it).
+
+  Raises:
+    ModelNotFoundError: the module exists but holds no such experiment.
+  """
+  module_name, _, class_name = name.rpartition('.')
+  if not module_name:
+    return None
+  module = _ImportIfExists(module_name)
+  if module is None:
+    return None
+  obj = getattr(module, class_name, None)
+  if obj is None or not _IsExperiment(obj):
+    offered = sorted(c.__name__ for c in _ExperimentsOf(module).values())
+    what = ('is not a subclass of base_model_params.SingleTaskModelParams'
+            if obj is not None else 'is not defined there')
+    close = difflib.get_close_matches(class_name, offered, n=3, cutoff=0.5)
+    hint = (' Did you mean ' + ' or '.join(repr(c) for c in close) + '?'
+            if close else '')
+    raise ModelNotFoundError(
+        f'Model {name!r}: {class_name!r} {what} (module {module_name!r}, '
+        f'{module.__file__}).{hint} Experiments it defines: '
+        f'{", ".join(offered) or "none"}.')
+  _REGISTRY.setdefault(RegisteredName(obj), obj)
+  return obj
+
+
+def EntryPointModules():
+  """Module names that installed packages list under ENTRY_POINT_GROUP."""
+  return sorted({ep.value.split(':')[0].strip()
+                 for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def _ImportAllExperiments():
   package = importlib.import_module(PARAMS_PACKAGE)
   for info in pkgutil.walk_packages(package.__path__, PARAMS_PACKAGE + '.'):
     importlib.import_module(info.name)
+  for module_name in EntryPointModules():
+    module = importlib.import_module(module_name)
+    for name, cls in _ExperimentsOf(module).items():
+      _REGISTRY.setdefault(name, cls)
 
 
 def GetAllRegisteredClasses():
-  """Imports every module under `params` and returns {name: class}."""
-  _ImportAllParamsModules()
+  """Imports every module of `params` and of the entry points; {name: class}."""
+  _ImportAllExperiments()
   return dict(sorted(_REGISTRY.items()))
 
 
 def ListModels():
-  """Sorted names of every registered experiment."""
+  """Sorted names of every experiment tfpipe and the installed packages offer."""
   return list(GetAllRegisteredClasses())
 
 
 def GetClass(name):
-  """The configuration class registered as `name`, importing its module if needed."""
-  if name not in _REGISTRY:
-    _ImportModuleFor(name)
-  if name not in _REGISTRY:
+  """The experiment class `name` names, importing its module if needed."""
+  if name in _REGISTRY:
+    return _REGISTRY[name]
+  if '.' in name:
+    _ImportIfExists(PARAMS_PACKAGE + '.' + name.rsplit('.', 1)[0])
+  cls = _REGISTRY.get(name) or _FindByImportPath(name)
+  if cls is None:
     known = ListModels()
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
     msg = f'Unknown model {name!r}.'
     if close:
       msg += ' Did you mean ' + ' or '.join(repr(c) for c in close) + '?'
-    msg += ' Registered models: ' + ', '.join(known) + '.'
+    msg += (' Registered models: ' + ', '.join(known) + '. A class of your '
+            'own is named by its import path, e.g. '
+            '--model=my_project.experiments.MyLm, with its module '
+            'importable (on PYTHONPATH).')
     raise ModelNotFoundError(msg)
-  return _REGISTRY[name]
+  return cls
 
 
 def GetParams(name, dataset='Train', eval_dataset='Test'):
   """The experiment params of `name`: `model`, `task`, `input`, `eval_input`.
 
   Args:
-    name: registered name, e.g. 'lm.TinyTransformerLm'.
+    name: registered name or import path, e.g. 'lm.TinyTransformerLm'.
     dataset: method of the configuration that gives `p.input` ('Train', ...).
     eval_dataset: method that gives `p.eval_input`.
 
@@ -133,3 +206,9 @@ def GetParams(name, dataset='Train', eval_dataset='Test'):
   p.Define('eval_input', inputs['eval_dataset'],
            'Params of the evaluation input.')
   return p
+
+
+def Describe(name):
+  """The first line of the experiment's docstring, or ''."""
+  doc = inspect.getdoc(GetClass(name)) or ''
+  return doc.splitlines()[0] if doc else ''

@@ -33,11 +33,57 @@ def test_block_partition_is_optimal(seed, k):
   assert worst == pytest.approx(_BruteForceBest(costs, k))
 
 
+def _QuadraticBlockPartition(costs, k):
+  """The O(K N^2) dynamic program, scanning every cut: the reference."""
+  n = len(costs)
+  prefix = np.concatenate([[0.0], np.cumsum(costs)])
+  best = np.full((k + 1, n + 1), np.inf)
+  cut = np.zeros((k + 1, n + 1), np.int64)
+  best[0][0] = 0.0
+  for j in range(1, k + 1):
+    for i in range(j, n - (k - j) + 1):
+      for s in range(j - 1, i):
+        value = max(best[j - 1][s], prefix[i] - prefix[s])
+        if value < best[j][i]:
+          best[j][i], cut[j][i] = value, s
+  sizes, i = [], n
+  for j in range(k, 0, -1):
+    sizes.append(int(i - cut[j][i]))
+    i = cut[j][i]
+  return sizes[::-1]
+
+
+@pytest.mark.parametrize('seed', range(40))
+def test_block_partition_takes_the_quadratic_programs_cut(seed):
+  # Small integer costs with zeros give many ties: the fast search must
+  # break them as the full scan does (earliest cut points).
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(1, 30))
+  costs = list(rng.integers(0, 4, size=n).astype(float))
+  for k in sorted({min(k, n) for k in (1, 2, 3, n // 2 or 1, n)}):
+    assert partition.BlockPartition(costs, k) == _QuadraticBlockPartition(
+        costs, k), (costs, k)
+
+
+def test_block_partition_of_a_1663_layer_model_into_128_cells():
+  # GPipe's Pipeline-128 Transformer: embeddings, 1663 equal blocks, softmax.
+  costs = [5.0, 1.0] + [3.0] * 1663 + [0.1, 7.0]
+  sizes = partition.BlockPartition(costs, 128)
+  assert len(sizes) == 128 and sum(sizes) == len(costs) and min(sizes) >= 1
+  bounds = np.cumsum([0] + sizes)
+  worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+  # 13 blocks a cell (39) leave 4 blocks over (the ends hold 11 and 10), so
+  # the optimum has cells of 14 blocks.
+  assert worst == 42.0
+
+
 def test_block_partition_errors():
   with pytest.raises(ValueError, match='num_partitions=4'):
     partition.BlockPartition([1.0, 2.0], 4)
   with pytest.raises(ValueError, match='num_partitions=0'):
     partition.BlockPartition([1.0, 2.0], 0)
+  with pytest.raises(ValueError, match='>= 0'):
+    partition.BlockPartition([1.0, -2.0], 1)
 
 
 def _Fc(name, i, o):

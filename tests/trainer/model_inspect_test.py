@@ -70,3 +70,55 @@ def test_too_many_partitions_fails_like_training():
     (3e12, '3T'), (4e15, '4P')])
 def test_human_units(value, text):
   assert model_inspect._Human(value) == text  # pylint: disable=protected-access
+
+
+def test_runs_of_numbered_layers_print_as_ranges():
+  names = ['emb', 'pos_emb'] + [f'block_{i}' for i in range(5)] + [
+      'final_ln', 'logits']
+  assert model_inspect.LayerRanges(names) == (
+      'emb, pos_emb, block_0..block_4, final_ln, logits')
+  # Two in a row, a gap in the numbers, or another prefix stay listed.
+  assert model_inspect.LayerRanges(['fc_2', 'fc_3', 'logits']) == (
+      'fc_2, fc_3, logits')
+  assert model_inspect.LayerRanges(['b1', 'b2', 'b4', 'b5', 'b6', 'c7']) == (
+      'b1, b2, b4..b6, c7')
+
+
+def _PipelineTransformer(num_partitions):
+  """GPipe Table 1, Pipeline-128: 1663 blocks of d=2048, FFN 8192."""
+  p = model_registry.GetParams('lm.LargeTransformerLm')
+  p.task.model.Set(num_layers=1663, model_dim=2048, hidden_dim=8192,
+                   num_heads=32, vocab_size=32000)
+  p.task.pipeline.Set(num_partitions=num_partitions,
+                      devices=['/CPU:0'] * num_partitions)
+  return p
+
+
+def test_gpipe_pipeline_128_transformer_at_k_128():
+  table = model_inspect.ModelTable(_PipelineTransformer(128))
+  rows = _Rows(table)
+  assert len(rows) == 128
+  assert ' '.join(rows[0][6:]) == 'emb, pos_emb, block_0..block_12'
+  assert ' '.join(rows[-1][6:]).endswith('block_1662, final_ln, logits')
+  # GPipe reports 83.9B parameters for this model.
+  total = table.splitlines()[-1].split()
+  assert total[1] == '83,877,438,720'
+  shares = [float(r[4].rstrip('%')) for r in rows]
+  assert max(shares) < 1.2 * 100 / 128  # Balanced by flops.
+
+
+def test_equal_blocks_are_costed_once(monkeypatch):
+  # What keeps inspect_model fast at any size: the cost model runs once per
+  # distinct layer, not once per layer and cell.
+  from tfpipe import layers  # pylint: disable=g-import-not-at-top
+  calls = []
+  original = layers.TransformerLayer.FPropMeta.__func__
+
+  def Counting(cls, p, input_shape):
+    calls.append(p.name)
+    return original(cls, p, input_shape)
+  monkeypatch.setattr(layers.TransformerLayer, 'FPropMeta',
+                      classmethod(Counting))
+  model_inspect.ModelTable(_PipelineTransformer(8))
+  # One call for the cut (batch 1) and one for the table (a micro-batch).
+  assert len(calls) == 2, len(calls)

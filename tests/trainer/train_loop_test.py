@@ -12,6 +12,7 @@ import glob
 import importlib.util
 import os
 import re
+import shutil
 
 import pytest
 import tensorflow as tf
@@ -135,6 +136,47 @@ def test_resume_gives_identical_subsequent_losses(reference, tmp_path):
   for step in (3, 4, 5):
     assert got['loss'][step] == want['loss'][step], step
     assert got['grad_norm'][step] == want['grad_norm'][step], step
+
+
+def test_eval_of_a_checkpoint_past_max_steps_says_so(reference, tmp_path):
+  logdir = tmp_path / 'run'
+  shutil.copytree(reference[0], logdir)
+  p = _Params()
+  p.task.train.max_steps = 3  # The logdir was trained to step 5.
+  lines = []
+  trainer = train_loop.Trainer(p, str(logdir), log=lines.append)
+  assert trainer.RestoreForEvaluation().endswith('ckpt-5')
+  notes = [l for l in lines if l.startswith('Note:')]
+  assert len(notes) == 1, lines
+  assert notes[0].endswith(
+      'ckpt-5 is at step 5, past task.train.max_steps=3 (--max_steps): a run '
+      'with a larger --max_steps trained it; evaluating it as it is.')
+  # At max_steps, or below it, nothing is said.
+  lines.clear()
+  train_loop.Trainer(_Params(), str(logdir),
+                     log=lines.append).RestoreForEvaluation()
+  assert not [l for l in lines if l.startswith('Note:')], lines
+
+
+def test_inputs_that_cannot_feed_the_model_stop_before_the_first_step(
+    tmp_path):
+  p = _Params()
+  p.eval_input.input_dim = 8  # The model takes 16-d inputs.
+  with pytest.raises(ValueError, match=(
+      r"^eval_input: its batches' inputs have shape \(32, 8\), but the model "
+      r'\(Mlp, task.model\) takes \(None, 16\)')):
+    train_loop.CheckInputs(p)
+  train_loop.CheckInputs(p, ['input'])  # The training input fits.
+  p.input.batch_size = 0
+  with pytest.raises(ValueError, match='^input.batch_size must be > 0'):
+    train_loop.CheckInputs(p, ['input'])
+  # Trainer.Train checks both, before it writes anything.
+  p = _Params()
+  p.eval_input.input_dim = 8
+  trainer = train_loop.Trainer(p, str(tmp_path / 'run'), log=lambda _: None)
+  with pytest.raises(ValueError, match='^eval_input: '):
+    trainer.Train()
+  assert not (tmp_path / 'run').exists()
 
 
 def test_write_scalars_and_format_metrics(tmp_path):

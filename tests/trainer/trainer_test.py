@@ -18,12 +18,14 @@ import time
 
 from absl import app
 from absl import flags
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests import quiet_test
 from tfpipe import devices
 from tfpipe import model_registry
+from tfpipe.trainer import input_generator
 from tfpipe.trainer import train_loop
 from tfpipe.trainer import trainer
 
@@ -248,6 +250,20 @@ def test_inspect_params(flags_reset, capsys):
   assert 'input.cls : tfpipe.trainer.input_generator.SequenceTaskInput' in text
 
 
+def test_inspect_params_with_docs_round_trips(flags_reset, capsys):
+  del flags_reset
+  _Parse('--mode=inspect_params', '--params_docs')
+  trainer.main(['tfpipe-train'])
+  text = capsys.readouterr().out
+  assert ('# Peak learning rate, scaled by lr_schedule.\n'
+          'task.train.learning_rate : 0.003\n') in text
+  # The # lines are comments: the text still reads back as the params.
+  p = model_registry.GetParams('lm.TinyTransformerLm')
+  q = p.Copy()
+  q.FromText(text.split('# trainable parameters')[0])
+  assert q == p
+
+
 def test_inspect_model(flags_reset, capsys):
   del flags_reset
   _Parse('--mode=inspect_model', '--num_partitions=3', '--nodeterministic')
@@ -270,6 +286,65 @@ def test_unknown_model_exits_cleanly():
   assert out.returncode != 0
   assert 'Traceback' not in out.stderr
   assert "--model: Unknown model 'lm.Tiny'" in out.stderr + out.stdout
+
+
+def test_list_models_names_each_experiment_with_its_docstring(flags_reset,
+                                                             capsys):
+  del flags_reset
+  _Parse('--mode=list_models')
+  assert trainer.main(['tfpipe-train']) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert sorted(line.split()[0] for line in lines) == (
+      model_registry.ListModels())
+  assert any(re.fullmatch(r'lm.TinyTransformerLm +2 blocks of width 64, .*',
+                          line) for line in lines), lines
+
+
+_TFRECORD_EXPERIMENT = """\
+from params import mlp
+from tfpipe.trainer import input_generator
+
+
+class Mlp(mlp.TinyMlp):
+  \"\"\"TinyMlp on the user's TFRecords, whose paths come from the command line.\"\"\"
+
+  def Train(self):
+    return input_generator.TFRecordInput.Params().Set(
+        name='train', batch_size=32, seed=0, inputs_shape=[16],
+        inputs_dtype='float32', targets_shape=[], targets_dtype='int32')
+"""
+
+
+def test_eval_input_left_empty_is_refused_before_training(
+    flags_reset, tmp_path, monkeypatch):
+  # A TFRecordInput user overrides input.file_pattern only; the eval input,
+  # made from Train() by Test(), keeps the empty pattern. That used to fail
+  # after training, naming the internal 'test.file_pattern'.
+  del flags_reset
+  package = f'user_exp_{tmp_path.name.replace("-", "_")}'
+  (tmp_path / package).mkdir()
+  (tmp_path / package / '__init__.py').write_text('')
+  (tmp_path / package / 'experiments.py').write_text(_TFRECORD_EXPERIMENT)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(model_registry, '_REGISTRY',
+                      dict(model_registry._REGISTRY))  # pylint: disable=protected-access
+  rng = np.random.default_rng(0)
+  input_generator.WriteTFRecordExamples(
+      str(tmp_path / 'train-00000.tfrecord'),
+      [(rng.normal(size=16).astype(np.float32), i % 4) for i in range(64)])
+  logdir = tmp_path / 'run'
+  args = [f'--model={package}.experiments.Mlp', f'--logdir={logdir}',
+          '--nodeterministic', '--run_locally=cpu']
+  _Parse(*args, '--model_params_override=input.file_pattern: '
+         f'"{tmp_path}/train-*"')
+  with pytest.raises(app.UsageError,
+                     match=r"^eval_input.file_pattern='' matches no files"):
+    trainer.main(['tfpipe-train'])
+  assert not (logdir / train_loop.CHECKPOINT_DIR).exists()
+  # With both patterns set, the inputs pass.
+  _Parse(*args, '--model_params_override=input.file_pattern: '
+         f'"{tmp_path}/train-*"; eval_input.file_pattern: "{tmp_path}/train-*"')
+  trainer.CheckInputs(trainer.BuildParams(), 'train')
 
 
 @pytest.mark.parametrize('flag', [

@@ -8,7 +8,8 @@ Data flows one way through the modules:
   interpreter of the schedule for every entry point)  ->  dispatch (issue the
   actions inline in one graph, or from one thread per device, and which of
   the two 'auto' means)  ->  pipelining_layer (the Keras layer users build;
-  cell_devices checks where its cells go).
+  cell_devices checks where its cells go). reference builds the same layers
+  un-pipelined, with the pipeline's values, to check a model against.
 """
 
 from tfpipe import lazy_exports
@@ -25,6 +26,7 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
         'PartitionSequentialLayers',
     ],
     'pipelining_layer': ['PipeliningLayer'],
+    'reference': ['UnpipelinedReference'],
     'runtime': ['REMAT_POLICIES'],
     'schedule': [
         'GPipeSchedule',

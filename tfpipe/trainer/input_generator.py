@@ -51,15 +51,35 @@ class BaseInputGenerator:
     p.Define('seed', 0, 'Seed that fixes the examples and their order.')
     return p
 
+  @classmethod
+  def CheckParams(cls, p, prefix=None):
+    """Raises ValueError naming the bad param, before anything is read.
+
+    Args:
+      p: this class's params.
+      prefix: how the params are named in messages, e.g. 'eval_input' (the
+        trainer's override key); default p.name.
+    """
+    prefix = prefix or p.name
+    if p.batch_size <= 0:
+      raise ValueError(f'{prefix}.batch_size must be > 0; received '
+                       f'{p.batch_size}.')
+
   def __init__(self, params):
     self._params = params.Copy().Freeze()
-    if self.p.batch_size <= 0:
-      raise ValueError(f'{self.p.name}.batch_size must be > 0; received '
-                       f'{self.p.batch_size}.')
+    type(self).CheckParams(self.p)
 
   @property
   def p(self):
     return self._params
+
+  def CheckData(self, prefix=None):
+    """Raises ValueError if the data is not there, naming the param to fix.
+
+    The trainer calls it for the training and the eval input before the
+    first step, so a wrong path stops the run at once, not after training.
+    """
+    del prefix  # Generated data is always there.
 
   def GetDataset(self, start_step=0):
     """The endless dataset of batches, starting at batch `start_step`."""
@@ -102,13 +122,16 @@ class SequenceTaskInput(SyntheticInput):
     p.Define('task', 'reverse', 'Transduction y = f(x): copy, reverse or sort.')
     return p
 
-  def __init__(self, params):
-    super().__init__(params)
-    p = self.p
-    if p.task not in self.TASKS:
-      raise ValueError(f'{p.name}.task={p.task!r}; use one of {self.TASKS}.')
+  @classmethod
+  def CheckParams(cls, p, prefix=None):
+    super().CheckParams(p, prefix)
+    prefix = prefix or p.name
+    if p.task not in cls.TASKS:
+      raise ValueError(f'{prefix}.task={p.task!r}; use one of {cls.TASKS}.')
     if p.vocab_size < 3 or p.length < 1:
-      raise ValueError(f'{p.name}: vocab_size must be >= 3 and length >= 1.')
+      raise ValueError(f'{prefix}: vocab_size must be >= 3 and length >= 1; '
+                       f'received vocab_size={p.vocab_size}, '
+                       f'length={p.length}.')
 
   @property
   def sequence_length(self):
@@ -224,16 +247,21 @@ class TranslationTaskInput(SyntheticInput):
     p.Define('lexicon_seed', 7, 'Seed of the lexicon (fixes the task).')
     return p
 
-  def __init__(self, params):
-    super().__init__(params)
-    p = self.p
+  @classmethod
+  def CheckParams(cls, p, prefix=None):
+    super().CheckParams(p, prefix)
+    prefix = prefix or p.name
     if p.num_words < 2 or not 1 <= p.min_length <= p.max_length:
-      raise ValueError(f'{p.name}: need num_words >= 2 and 1 <= min_length <= '
+      raise ValueError(f'{prefix}: need num_words >= 2 and 1 <= min_length <= '
                        f'max_length; received num_words={p.num_words}, '
                        f'min_length={p.min_length}, max_length={p.max_length}.')
     if not 0.0 <= p.two_token_fraction <= 1.0:
-      raise ValueError(f'{p.name}.two_token_fraction must be in [0, 1]; '
+      raise ValueError(f'{prefix}.two_token_fraction must be in [0, 1]; '
                        f'received {p.two_token_fraction}.')
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.p
     # Numpy, not tensors: configs instantiate this to read vocab_size before
     # TensorFlow's devices are configured.
     rng = np.random.RandomState(p.lexicon_seed)
@@ -324,28 +352,32 @@ class PythonSourceTextInput(BaseInputGenerator):
     p.Define('sequence_length', 128, 'Bytes of each example\'s inputs.')
     return p
 
-  def __init__(self, params):
-    super().__init__(params)
-    p = self.p
+  @classmethod
+  def CheckParams(cls, p, prefix=None):
+    super().CheckParams(p, prefix)
+    prefix = prefix or p.name
     if p.split not in ('train', 'eval'):
-      raise ValueError(f'{p.name}.split={p.split!r}; use train or eval.')
+      raise ValueError(f'{prefix}.split={p.split!r}; use train or eval.')
     if not 0 < p.eval_percent < 100:
-      raise ValueError(f'{p.name}.eval_percent must be in (0, 100); received '
+      raise ValueError(f'{prefix}.eval_percent must be in (0, 100); received '
                        f'{p.eval_percent}.')
     if p.sequence_length < 1:
-      raise ValueError(f'{p.name}.sequence_length must be >= 1; received '
+      raise ValueError(f'{prefix}.sequence_length must be >= 1; received '
                        f'{p.sequence_length}.')
 
   @property
   def root(self):
     return self.p.root or sysconfig.get_paths()['stdlib']
 
-  def Files(self):
+  def CheckData(self, prefix=None):
+    self.Corpus(prefix)
+
+  def Files(self, prefix=None):
     """The split's files, relative to `root`, in the order they are read."""
     root = self.root
     if not os.path.isdir(root):
-      raise ValueError(f'{self.p.name}.root={root!r} is not a directory; set '
-                       'it to a directory of .py files.')
+      raise ValueError(f'{prefix or self.p.name}.root={root!r} is not a '
+                       'directory; set it to a directory of .py files.')
     files = []
     for directory, subdirs, names in os.walk(root):
       subdirs[:] = sorted(d for d in subdirs if d not in self.EXCLUDED_DIRS)
@@ -356,22 +388,23 @@ class PythonSourceTextInput(BaseInputGenerator):
             files.append(path)
     return files
 
-  def Corpus(self):
+  def Corpus(self, prefix=None):
     """The split's bytes as a uint8 numpy array (read once per process)."""
     p = self.p
     key = (self.root, p.split, p.eval_percent)
     if key not in _CORPUS_CACHE:
       chunks = []
-      for path in self.Files():
+      for path in self.Files(prefix):
         with open(os.path.join(self.root, path), 'rb') as f:
           chunks.append(f.read())
       _CORPUS_CACHE[key] = np.frombuffer(b''.join(chunks), np.uint8)
     data = _CORPUS_CACHE[key]
     if data.size <= p.sequence_length + 1:
       raise ValueError(
-          f'{p.name}: the {p.split} split of {self.root!r} has {data.size} '
-          f'bytes, fewer than one example needs ({p.sequence_length + 1}); '
-          'point root at more source code or lower sequence_length.')
+          f'{prefix or p.name}: the {p.split} split of {self.root!r} has '
+          f'{data.size} bytes, fewer than one example needs '
+          f'({p.sequence_length + 1}); point root at more source code or '
+          'lower sequence_length.')
     return data
 
   def GetDataset(self, start_step=0):
@@ -410,13 +443,17 @@ class _FileInput(BaseInputGenerator):
              'Examples in the shuffle buffer; 0 keeps the file order.')
     return p
 
-  def _Files(self):
+  def _Files(self, prefix=None):
     files = sorted(tf.io.gfile.glob(self.p.file_pattern)) if (
         self.p.file_pattern) else []
     if not files:
-      raise ValueError(f'{self.p.name}.file_pattern={self.p.file_pattern!r} '
-                       'matches no files; set it to a glob of your data.')
+      raise ValueError(f'{prefix or self.p.name}.file_pattern='
+                       f'{self.p.file_pattern!r} matches no files; set it to a '
+                       'glob of your data.')
     return files
+
+  def CheckData(self, prefix=None):
+    self._Files(prefix)
 
   def _Examples(self, files):
     raise NotImplementedError(f'{type(self).__name__} must implement _Examples.')

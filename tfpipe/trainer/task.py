@@ -17,6 +17,7 @@ from tfpipe import base_layer
 from tfpipe import gpipe
 from tfpipe import hyperparams
 from tfpipe import placement
+from tfpipe.gpipe import partition
 from tfpipe.gpipe import stage as stage_lib
 from tfpipe.trainer import optimizer as optimizer_lib
 
@@ -118,20 +119,22 @@ def DescribeCells(cell_params, devices, input_shape):
   Returns:
     A list of dicts, one per cell.
   """
-  shape = tuple(input_shape)
+  # One chain over all layers: equal blocks are costed once (LayerCosts).
+  metas = partition.LayerCosts([lp for cell in cell_params for lp in cell.sub],
+                               tuple(input_shape))
   rows = []
+  start = 0
   for k, cell in enumerate(cell_params):
-    metas = []
-    for lp in cell.sub:
-      meta = lp.target_cls.FPropMeta(lp, shape)
-      metas.append(meta)
-      shape = meta.output_shape
-    total = base_layer.SumCosts(metas)
+    cell_metas = metas[start:start + len(cell.sub)]
+    start += len(cell.sub)
+    total = base_layer.SumCosts(cell_metas)
     rows.append({'cell': cell.name, 'device': devices[k],
                  'layers': [lp.name for lp in cell.sub],
                  'params': total.num_params, 'flops': total.flops,
-                 'output_bytes': metas[-1].activation_bytes if metas else 0,
-                 'output_shape': shape})
+                 'output_bytes': (cell_metas[-1].activation_bytes
+                                  if cell_metas else 0),
+                 'output_shape': (cell_metas[-1].output_shape if cell_metas
+                                  else tuple(input_shape))})
   return rows
 
 

@@ -35,6 +35,7 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 from tensorflow.python.framework import config as tf_config
 
+from tfpipe import base_layer
 from tfpipe import timeline as timeline_lib
 from tfpipe.trainer import checkpoint_keeper
 from tfpipe.trainer import device_memory
@@ -86,6 +87,46 @@ def CheckParams(p):
   if p.task.eval.num_batches < 1:
     raise ValueError('task.eval.num_batches must be >= 1; received '
                      f'{p.task.eval.num_batches}.')
+
+
+def CheckInputs(p, names=('input', 'eval_input')):
+  """Raises ValueError, naming the override key, if an input cannot feed the model.
+
+  Run before the first step, for the eval input too (which otherwise would
+  fail only after training): each input's params are valid, its data is
+  there (a file glob matches), and its batches' inputs have the shape the
+  model takes (`model.InputShape()`, batch dim aside). A message names the
+  key a user would override, e.g. `eval_input.file_pattern`.
+
+  Args:
+    p: the experiment params.
+    names: which inputs of `p` the run will read.
+  """
+  model = p.task.model.Instantiate()
+  want = base_layer.MapShapes(tf.TensorShape, model.InputShape())
+  for name in names:
+    input_p = p.Get(name)
+    check = getattr(input_p.cls, 'CheckParams', None)
+    if check is not None:
+      check(input_p, name)
+    generator = input_p.Instantiate()
+    if hasattr(generator, 'CheckData'):
+      generator.CheckData(name)
+    inputs_spec = generator.GetDataset(0).element_spec[0]
+    try:
+      tf.nest.assert_same_structure(inputs_spec, want, check_types=False)
+      fits = all(
+          s.shape[1:].is_compatible_with(w[1:]) for s, w in zip(
+              tf.nest.flatten(inputs_spec), tf.nest.flatten(want)))
+    except (ValueError, TypeError):
+      fits = False
+    if not fits:
+      got = tf.nest.map_structure(lambda s: tuple(s.shape), inputs_spec)
+      raise ValueError(
+          f'{name}: its batches\' inputs have shape {got}, but the model '
+          f'({type(model).__name__}, task.model) takes '
+          f'{model.InputShape()} (the batch dim aside). Make {name} give '
+          'inputs of that shape, or change task.model.')
 
 
 def _NonFiniteVariables(variables):
@@ -167,9 +208,20 @@ class Trainer:
     return self.manager.RestoreNewest(read_only=read_only)
 
   def RestoreForEvaluation(self):
-    """Checks params.txt and restores, writing nothing (a trainer may run)."""
+    """Checks params.txt and restores, writing nothing (a trainer may run).
+
+    A checkpoint past `task.train.max_steps` (trained by a run with a larger
+    --max_steps) is evaluated as it is, with a line saying so.
+    """
     self._CheckParamsFile()
-    return self.RestoreLatest(read_only=True)
+    restored = self.RestoreLatest(read_only=True)
+    max_steps = self._params.task.train.max_steps
+    if restored and self.step > max_steps:
+      self._log(
+          f'Note: {restored} is at step {self.step}, past '
+          f'task.train.max_steps={max_steps} (--max_steps): a run with a '
+          'larger --max_steps trained it; evaluating it as it is.')
+    return restored
 
   def _CheckParamsFile(self):
     """params_file.CheckParams, knowing the checkpoints and the model."""
@@ -317,9 +369,12 @@ class Trainer:
     """Trains to `task.train.max_steps`; returns the final eval metrics.
 
     Raises:
+      ValueError: an input cannot feed the model (CheckInputs), before
+        anything is written.
       One of STOP_ERRORS when the run cannot go on without losing or mixing
       up data; nothing good in the logdir has been changed then.
     """
+    CheckInputs(self._params)
     logdir_lock.PrepareLogdir(self._logdir)
     with logdir_lock.LogdirLock(self._logdir, self._log):
       return self._Train()

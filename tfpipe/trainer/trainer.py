@@ -31,13 +31,19 @@ from tfpipe import multihost
 from tfpipe import quiet
 from tfpipe.trainer import logdir_lock
 
-MODES = ('train', 'eval', 'inspect_params', 'inspect_model')
+MODES = ('train', 'eval', 'inspect_params', 'inspect_model', 'list_models')
 
 flags.DEFINE_string('model', 'lm.TinyTransformerLm',
-                    'Registered name of the experiment, e.g. lm.TinyTransformerLm.')
+                    'The experiment: a registered name, e.g. '
+                    'lm.TinyTransformerLm, or the import path of your own '
+                    'class, e.g. my_project.experiments.MyLm '
+                    '(--mode=list_models lists them).')
 flags.DEFINE_string('logdir', None,
                     'Directory of checkpoints, summaries and params.txt.')
 flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
+flags.DEFINE_boolean('params_docs', False,
+                     'With --mode=inspect_params, put each param\'s '
+                     'one-sentence description above it as a # line.')
 flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.',
                      lower_bound=1)
 flags.DEFINE_integer('seed', None,
@@ -164,39 +170,49 @@ def ParseBalance(text):
   return text
 
 
-def CheckModel(p):
+def CheckModel(p, cost_models=True):
   """The model builder of the params; UsageError if its layers cannot be made.
 
   Every layer's cost model checks its params (e.g. a head count that does
   not divide the width), so a bad model param stops the run here, before
-  TensorFlow starts or anything is written to the logdir.
+  anything is written to the logdir. With cost_models=False only the
+  builder is made: a layer without its own FPropMeta is costed by building
+  it, which starts TensorFlow, so that waits until the devices are split.
   """
   try:
     model = p.task.model.Instantiate()
-    model.NumParams()
+    if cost_models:
+      model.NumParams()
   except ValueError as e:
     raise app.UsageError(
         f'task.model of --model={FLAGS.model}: {_Message(e)}') from None
   return model
 
 
-def CheckPartition(p):
-  """Raises UsageError if the model cannot be cut as the params say.
+def CheckPartition(p, cost_models=True):
+  """The cells' params; raises UsageError if the model cannot be cut so.
 
-  Uses only the layers' cost models, so it runs before TensorFlow starts;
-  balance='time' profiles on devices and is checked when the task is built.
+  Uses only the layers' cost models (a layer without its own builds a copy
+  off to the side, which starts TensorFlow); balance='time' profiles on
+  devices and is checked when the task is built (None is returned then).
+  With cost_models=False, only what needs none (enough layers, an explicit
+  balance that fits), so it can run before the devices are split.
   """
+  from tfpipe.gpipe import partition  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
-  model = CheckModel(p)
-  if p.task.pipeline.balance == 'time':
-    return
+  pp = p.task.pipeline
+  model = CheckModel(p, cost_models)
   try:
-    task_lib.PartitionCells(p.task, model)
+    if isinstance(pp.balance, (list, tuple)) or cost_models and (
+        pp.balance != 'time'):
+      return task_lib.PartitionCells(p.task, model)
+    num_layers = len(partition.FlattenSequentialLayers(model.LayerParamsList()))
+    partition.BlockPartition([0.0] * num_layers, pp.num_partitions)
+    return None
   except ValueError as e:
     raise app.UsageError(
-        f'{_Message(e)} (task.pipeline.num_partitions='
-        f'{p.task.pipeline.num_partitions}, balance='
-        f'{p.task.pipeline.balance}: --num_partitions, --balance)') from None
+        f'{_Message(e)} (task.pipeline.num_partitions={pp.num_partitions}, '
+        f'balance={pp.balance}: --num_partitions, --balance)') from None
 
 
 def _Message(e):
@@ -265,10 +281,32 @@ def CheckDevices(p):
     raise app.UsageError(_Message(e)) from None
 
 
-def InspectModel(p):
+def CheckInputs(p, mode):
+  """Raises UsageError if an input the run reads cannot feed the model.
+
+  The eval input too, in a training run: it is read only after training.
+  """
+  from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
+  names = ('input', 'eval_input') if mode == 'train' else ('eval_input',)
+  try:
+    train_loop.CheckInputs(p, names)
+  except ValueError as e:
+    raise app.UsageError(_Message(e)) from None
+
+
+def InspectModel(p, cells=None):
   """A table of the cells: layers, device, parameter count and cost."""
   from tfpipe.trainer import model_inspect  # pylint: disable=g-import-not-at-top
-  return model_inspect.ModelTable(p)
+  return model_inspect.ModelTable(p, cells)
+
+
+def ListModels():
+  """One line per experiment: its --model name and its docstring's first line."""
+  from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
+  names = model_registry.ListModels()
+  width = max(len(n) for n in names)
+  return '\n'.join(f'{n:<{width}}  {model_registry.Describe(n)}'.rstrip()
+                   for n in names)
 
 
 def main(argv):
@@ -281,6 +319,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   show_startup_log = quiet.ShowStartupLog(verbosity)
   quiet.ImportTensorFlow(show_startup_log)
+  if FLAGS.mode == 'list_models':
+    print(ListModels())
+    return 0
   try:
     if multihost.MaybeServe(FLAGS):
       return 0
@@ -288,7 +329,7 @@ def main(argv):
     raise app.UsageError(_Message(e)) from None
   p = BuildParams()
   if FLAGS.mode == 'inspect_params':
-    print(p.ToText(), end='')
+    print(p.ToText(docs=FLAGS.params_docs), end='')
     # From the layers' cost models: no variable is created, so the paper's
     # billion-parameter configurations report their size in a moment.
     print(f'# trainable parameters: {CheckModel(p).NumParams():,}')
@@ -296,22 +337,27 @@ def main(argv):
   if FLAGS.mode in ('train', 'eval') and not FLAGS.logdir:
     raise app.UsageError(f'--logdir is required for --mode={FLAGS.mode}; '
                          'e.g. --logdir=/tmp/tfpipe_lm.')
-  CheckPartition(p)  # Before the logdir is touched.
+  CheckPartition(p, cost_models=False)
+  with quiet.QuietStderr(show_startup_log):
+    ConfigureDevices(p)
+  # After the devices: a layer without its own FPropMeta is costed by
+  # instantiating it, which starts TensorFlow. Still before the logdir is
+  # touched: a run refused for its params leaves nothing behind.
+  cells = CheckPartition(p)
   if FLAGS.mode == 'train':
     try:
       logdir_lock.PrepareLogdir(FLAGS.logdir)
     except logdir_lock.LogdirError as e:
       raise app.UsageError(str(e)) from None
-  with quiet.QuietStderr(show_startup_log):
-    ConfigureDevices(p)
   try:
     controller = multihost.SetUpController(FLAGS, p)
   except (ValueError, RuntimeError, TimeoutError) as e:
     raise app.UsageError(_Message(e)) from None
   CheckDevices(p)
   if FLAGS.mode == 'inspect_model':
-    print(InspectModel(p))
+    print(InspectModel(p, cells))
     return 0
+  CheckInputs(p, FLAGS.mode)
 
   from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
   try:
