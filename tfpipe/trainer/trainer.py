@@ -29,6 +29,7 @@ from tfpipe import devices
 from tfpipe import multihost
 from tfpipe import quiet
 from tfpipe.trainer import logdir_lock
+from tfpipe.trainer import memory_budget
 
 MODES = ('train', 'eval', 'inspect_params', 'inspect_model')
 
@@ -100,6 +101,7 @@ flags.DEFINE_boolean('allow_params_change', False,
                      'training (not only in pipeline layout or run length).')
 
 multihost.DefineFlags()
+memory_budget.DefineFlags()
 
 FLAGS = flags.FLAGS
 
@@ -237,6 +239,21 @@ def CheckDevices(p):
     raise app.UsageError(_Message(e)) from None
 
 
+def PlanIfAsked(p):
+  """--plan=auto: chooses the pipeline for --device_memory_mb (or says that
+  nothing fits, with exit status EXIT_OUT_OF_MEMORY)."""
+  from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import out_of_memory  # pylint: disable=g-import-not-at-top
+  try:
+    memory_budget.PlanIfAsked(p, FLAGS)
+  except planner.NoPlanError as e:
+    print(f'ERROR: {e} Nothing was run.', file=sys.stderr, flush=True)
+    return out_of_memory.EXIT_OUT_OF_MEMORY
+  except ValueError as e:
+    raise app.UsageError(_Message(e)) from None
+  return 0
+
+
 def InspectModel(p):
   """A table of the cells: layers, device, parameter count and cost."""
   from tfpipe.trainer import model_inspect  # pylint: disable=g-import-not-at-top
@@ -252,6 +269,15 @@ def main(argv):
     # progress lines; --verbosity=0 brings them back.
     logging.set_verbosity(logging.WARNING)
   show_startup_log = quiet.ShowStartupLog(verbosity)
+  # Before TensorFlow starts: its out-of-memory records are warnings.
+  watch = memory_budget.WatchThisProcess(FLAGS, show_startup_log)
+  try:
+    return _Main(show_startup_log, watch)
+  finally:
+    watch.Stop()
+
+
+def _Main(show_startup_log, watch):
   quiet.ImportTensorFlow(show_startup_log)
   try:
     if multihost.MaybeServe(FLAGS):
@@ -273,26 +299,37 @@ def main(argv):
       logdir_lock.PrepareLogdir(FLAGS.logdir)
     except logdir_lock.LogdirError as e:
       raise app.UsageError(str(e)) from None
+  status = PlanIfAsked(p)
+  if status:
+    return status
   CheckPartition(p)
   with quiet.QuietStderr(show_startup_log):
-    ConfigureDevices(p)
+    split = ConfigureDevices(p)
   try:
     controller = multihost.SetUpController(FLAGS, p)
   except (ValueError, RuntimeError, TimeoutError) as e:
     raise app.UsageError(_Message(e)) from None
-  CheckDevices(p)
+  devices_used = CheckDevices(p)
   if FLAGS.mode == 'inspect_model':
     print(InspectModel(p))
+    print('\n'.join(memory_budget.InspectLines(p, FLAGS, devices_used)))
     return 0
 
+  from tfpipe.trainer import out_of_memory  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
-  trainer = train_loop.Trainer(
-      p, FLAGS.logdir, nan_policy=FLAGS.nan_policy,
-      max_nan_skips=FLAGS.max_nan_skips,
-      allow_params_change=FLAGS.allow_params_change)
-  if controller:
-    controller.UseControllerIo(trainer)
+  trainers = []
+  diagnosis = memory_budget.Diagnosis(
+      p, FLAGS, devices_used, controller, watch, split,
+      last_good=lambda: out_of_memory.LastGood(
+          trainers[0].manager.latest_checkpoint if trainers else None))
   try:
+    trainer = train_loop.Trainer(
+        p, FLAGS.logdir, nan_policy=FLAGS.nan_policy,
+        max_nan_skips=FLAGS.max_nan_skips,
+        allow_params_change=FLAGS.allow_params_change)
+    trainers.append(trainer)
+    if controller:
+      controller.UseControllerIo(trainer)
     if FLAGS.mode == 'eval':
       if not trainer.RestoreForEvaluation():
         raise app.UsageError(f'--mode=eval: no checkpoint in {FLAGS.logdir}; '
@@ -309,13 +346,18 @@ def main(argv):
       sys.stdout.flush()
       os._exit(0)  # pylint: disable=protected-access
     trainer.Train()
-  except train_loop.STOP_ERRORS as e:
-    print(f'ERROR: {e}', file=sys.stderr, flush=True)
+  except Exception as error:  # pylint: disable=broad-except
+    stop = (error if isinstance(error, train_loop.STOP_ERRORS) else
+            diagnosis.Check(error))
+    if stop is None:
+      raise
+    print(f'ERROR: {stop}', file=sys.stderr, flush=True)
+    status = getattr(stop, 'exit_status', 1)
     if controller:
       # Tearing down a cluster context can hang; nothing is left to save.
       sys.stdout.flush()
-      os._exit(1)  # pylint: disable=protected-access
-    return 1
+      os._exit(status)  # pylint: disable=protected-access
+    return status
   sys.stdout.flush()
   return 0
 
