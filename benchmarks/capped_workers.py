@@ -34,6 +34,7 @@ import sys
 from tfpipe import cluster_spec
 from tfpipe import local_cluster
 from tfpipe import memory_limit
+from tfpipe import servers
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +43,6 @@ def RunWorker(cluster_text, task, intra_op_threads=1, inter_op_threads=0):
   """Serves one device and answers 'reset' and 'memory' on stdin."""
   from tfpipe import quiet  # pylint: disable=g-import-not-at-top
   tf = quiet.ImportTensorFlow()
-  from tfpipe import servers  # pylint: disable=g-import-not-at-top
   spec = cluster_spec.ParseClusterSpec(cluster_text)
   server = servers.StartServer(spec, cluster_spec.WORKER_JOB, task,
                                intra_op_threads=intra_op_threads,
@@ -64,16 +64,22 @@ class CappedWorkers:
   """K single-device worker processes; this process is their controller."""
 
   def __init__(self, num_workers, memory_mb=None, intra_op_threads=1,
-               inter_op_threads=0, startup_timeout_s=180, owner='benchmark'):
-    """Starts the workers and waits until they serve.
+               inter_op_threads=0, startup_timeout_s=180, owner='benchmark',
+               wait=True):
+    """Starts the workers and (with `wait`) waits until they serve.
 
     Args:
       num_workers: K.
       memory_mb: each worker's hard limit in MiB; None: no limit (the
         allocator still counts).
       intra_op_threads: threads one op may use in each worker.
+      inter_op_threads: ops one worker runs at once (0: TF's default).
       startup_timeout_s: how long they have to serve.
       owner: names this program in the children's log lines.
+      wait: False starts them and returns at once; call WaitUntilServing
+        before using them (so the next set can start while this one works).
+        Start them from the main thread: a child dies with the thread that
+        started it (local_cluster).
     """
     self.num_workers = num_workers
     self.memory_mb = memory_mb
@@ -85,19 +91,34 @@ class CappedWorkers:
     env['PYTHONPATH'] = os.pathsep.join(
         [_REPO_ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep)
                         if p])
+    self._timeout_s = startup_timeout_s
+    self._tasks = cluster_spec.JobTasks(self.jobs, cluster_spec.WORKER_JOB)
     try:
-      workers = local_cluster.StartWorkers(
-          self._children, self.jobs, lambda k: [
-              sys.executable, '-m', 'benchmarks.capped_workers',
-              f'--cluster={self.spec_text}', f'--task={k}',
-              f'--intra_op_threads={intra_op_threads}',
-              f'--inter_op_threads={inter_op_threads}'],
-          startup_timeout_s, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-          stderr=subprocess.DEVNULL, text=True, cwd=_REPO_ROOT, env=env)
+      self._procs = [
+          self._children.Start(
+              f'worker {name} at {address}',
+              [sys.executable, '-m', 'benchmarks.capped_workers',
+               f'--cluster={self.spec_text}', f'--task={k}',
+               f'--intra_op_threads={intra_op_threads}',
+               f'--inter_op_threads={inter_op_threads}'],
+              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+              stderr=subprocess.DEVNULL, text=True, cwd=_REPO_ROOT, env=env)
+          for k, (name, address) in enumerate(self._tasks)]
+      if wait:
+        self.WaitUntilServing()
     except BaseException:
       self._children.Close()
       raise
-    self._procs = [proc for _, _, proc in workers]
+
+  def WaitUntilServing(self):
+    """Waits until every worker serves (local_cluster.StartWorkers' wait)."""
+    processes = dict(zip([name for name, _ in self._tasks], self._procs))
+    try:
+      servers.WaitForTasks(self._tasks, self._timeout_s,
+                           exit_status=lambda name: processes[name].poll())
+    except BaseException:
+      self._children.Close()
+      raise
 
   @property
   def devices(self):
@@ -105,9 +126,9 @@ class CappedWorkers:
             for k in range(self.num_workers)]
 
   def Connect(self):
-    """Makes this process the workers' controller (before any TF op runs)."""
+    """Makes this process the workers' controller (again, for a new set:
+    TensorFlow then drops its contexts on the previous workers)."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfpipe import servers  # pylint: disable=g-import-not-at-top
     servers.ConnectToCluster(tf.train.ClusterSpec(self.jobs))
 
   def _Ask(self, proc, command):

@@ -8,18 +8,18 @@ within 15%.
 How: K worker processes (benchmarks.capped_workers), each one device with
 its own BFC allocator, run the trainer's real step (tfpipe.trainer.task:
 the pipelined forward and backward, global-norm clipping and Adam), with
-this process as their controller. For each configuration, one step traces
-and warms up; then each worker's peak is reset, two steps run, and each
-worker's peak is read. The prediction comes from gpipe.memory_model, fed by
+this process as their controller. Each configuration gets fresh workers
+(one that ran other configurations first peaks a few percent higher every
+time: TensorFlow's runtime keeps some of each). One step traces and warms
+up; then each worker's peak is reset, two steps run, and each worker's
+peak is read. The prediction comes from gpipe.memory_model, fed by
 one profiled step per distinct cell (gpipe.memory_profile) at the smallest
 and the largest micro-batch size of the grid; sizes in between are
 interpolated, as the planner does.
 
 The grid: a Transformer LM, AmoebaNet-D and an MLP; K in {1, 2, 4}; M in
 {1, 4, 8}; remat_policy always, except_last and never; schedules gpipe and
-1f1b. Each model gets fresh workers, and a configuration starts only when
-every worker's memory is back to where it was (so no configuration sees
-another's).
+1f1b.
 
     python -m benchmarks.memory_model_accuracy --output_json=/tmp/bench/memory_model_accuracy.json
 
@@ -76,23 +76,14 @@ def ExperimentParams(model):
   return p
 
 
-def _WaitForBaseline(workers, baseline, timeout_s=30.0):
-  """Waits until every worker holds at most what it held at the start."""
-  deadline = time.monotonic() + timeout_s
-  while True:
-    gc.collect()
-    current = workers.Current()
-    if all(c <= b + 2 * MIB for c, b in zip(current, baseline)):
-      return current
-    if time.monotonic() > deadline:
-      return current
-    time.sleep(0.5)
-
-
 def _Measure(p, workers, batch, num_cells):
-  """Each of the first num_cells workers' peak over the measured steps."""
+  """Each worker's peak over the measured steps, on `workers` (fresh)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  task = p.task.Copy().Instantiate()
+  workers.WaitUntilServing()
+  workers.Connect()
+  p = p.Copy()
+  p.task.pipeline.devices = workers.devices
+  task = p.task.Instantiate()
   inputs, targets = tf.nest.map_structure(tf.convert_to_tensor, batch)
   float(task.TrainStep((inputs, targets))['loss'])
   workers.Reset()
@@ -100,55 +91,85 @@ def _Measure(p, workers, batch, num_cells):
     float(task.TrainStep((inputs, targets))['loss'])
   peaks = workers.Peaks()[:num_cells]
   del task
+  gc.collect()
   return peaks
 
 
+def _Configurations(model):
+  base = ExperimentParams(model)
+  for k in [int(k) for k in FLAGS.num_cells]:
+    for schedule in FLAGS.schedules:
+      for remat in FLAGS.remat_policies:
+        for m in [int(m) for m in FLAGS.micro_batches]:
+          p = base.Copy()
+          p.task.pipeline.Set(num_partitions=k, num_micro_batches=m,
+                              schedule=schedule, remat_policy=remat)
+          yield p
+
+
 def RunModel(model, rows, log):
-  """Profiles and measures every configuration of one model."""
+  """Profiles each K's cells once, then measures every configuration, each
+  on fresh workers: a worker that ran other configurations before peaks
+  higher (TensorFlow's runtime keeps some of each), which a real run, one
+  configuration per worker, never sees. The next configuration's workers
+  start while one is measured."""
   from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
-  from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
-  cells_list = [int(k) for k in FLAGS.num_cells]
-  workers = capped_workers.CappedWorkers(max(cells_list),
-                                         owner='memory_model_accuracy')
+  base = ExperimentParams(model)
+  example = memory_report.ExampleBatch(base)
+  batch = memory_report.ReplicaBatchSize(base)
+  micro = [int(m) for m in FLAGS.micro_batches]
+  sizes = sorted({min(memory_model.MicroBatchSizes(batch, m))
+                  for m in (max(micro), min(micro))})
+  profiles = {}
+  configurations = list(_Configurations(model))
+  pending = None
   try:
-    workers.Connect()
-    base = ExperimentParams(model)
-    example = memory_report.ExampleBatch(base)
-    batch = memory_report.ReplicaBatchSize(base)
-    micro = [int(m) for m in FLAGS.micro_batches]
-    sizes = sorted({min(memory_model.MicroBatchSizes(batch, m))
-                    for m in (max(micro), min(micro))})
-    baseline = workers.Current()
-    for k in cells_list:
-      p = base.Copy()
-      p.task.pipeline.Set(num_partitions=k, devices=workers.devices[:k])
-      start = time.time()
-      profiles = memory_report.Profile(memory_report.ProfileRequest(
-          p, micro_batch_sizes=sizes, example=example))
-      log(f'{model} K={k}: profiled {len(task_lib.PartitionCells(p.task, p.task.model.Instantiate()))} '
-          f'cell(s) at micro-batch sizes {sizes} in {time.time() - start:.0f}s')
-      for schedule in FLAGS.schedules:
-        for remat in FLAGS.remat_policies:
-          for m in micro:
-            p.task.pipeline.Set(num_micro_batches=m, schedule=schedule,
-                                remat_policy=remat)
-            _WaitForBaseline(workers, baseline)
-            start = time.time()
-            measured = _Measure(p, workers, example, k)
-            predicted = [d.peak_bytes for d in memory_report.PredictPeaks(
-                p, profiles, example)]
-            errors = [pr / me - 1 for pr, me in zip(predicted, measured)]
-            row = {'model': model, 'num_cells': k, 'num_micro_batches': m,
-                   'schedule': schedule, 'remat_policy': remat,
-                   'measured_mib': [round(v / MIB, 2) for v in measured],
-                   'predicted_mib': [round(v / MIB, 2) for v in predicted],
-                   'worst_error': max(errors, key=abs),
-                   'seconds': round(time.time() - start, 1)}
-            rows.append(row)
-            log(_FormatRow(row))
+    for i, p in enumerate(configurations):
+      pending = _RunOne(model, i, p, configurations, pending, profiles, sizes,
+                        example, rows, log)
+  finally:
+    if pending:
+      pending.Close()
+
+
+def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
+            rows, log):
+  """Measures configuration i; returns the next one's workers (started)."""
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  k = p.task.pipeline.num_partitions
+  if k not in profiles:
+    start = time.time()
+    profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
+        p, micro_batch_sizes=sizes, example=example))
+    log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
+        f'in {time.time() - start:.0f}s')
+  workers = pending or capped_workers.CappedWorkers(
+      k, owner='memory_model_accuracy', wait=False)
+  pending = None
+  if i + 1 < len(configurations):
+    pending = capped_workers.CappedWorkers(
+        configurations[i + 1].task.pipeline.num_partitions,
+        owner='memory_model_accuracy', wait=False)
+  start = time.time()
+  try:
+    measured = _Measure(p, workers, example, k)
   finally:
     workers.Close()
+  predicted = [d.peak_bytes for d in memory_report.PredictPeaks(
+      p, profiles[k], example)]
+  errors = [pr / me - 1 for pr, me in zip(predicted, measured)]
+  pp = p.task.pipeline
+  row = {'model': model, 'num_cells': k,
+         'num_micro_batches': pp.num_micro_batches,
+         'schedule': pp.schedule, 'remat_policy': pp.remat_policy,
+         'measured_mib': [round(v / MIB, 2) for v in measured],
+         'predicted_mib': [round(v / MIB, 2) for v in predicted],
+         'worst_error': max(errors, key=abs),
+         'seconds': round(time.time() - start, 1)}
+  rows.append(row)
+  log(_FormatRow(row))
+  return pending
 
 
 def _FormatRow(row):

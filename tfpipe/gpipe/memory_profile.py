@@ -326,6 +326,9 @@ class ProfileRequest:
     micro_batch_sizes: the sizes to profile every cell at.
     optimizer_params: the task's optimizer params.
     clip_gradient_norm: the task's clipping.
+    positions: each cell's index in the pipeline; the first gets `inputs`,
+      the last the loss (default: the cells are the whole pipeline).
+    num_cells: the pipeline's number of cells (default: len(cells)).
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -338,6 +341,14 @@ class ProfileRequest:
     self.micro_batch_sizes = sorted(set(int(n) for n in micro_batch_sizes))
     self.optimizer_params = optimizer_params
     self.clip_gradient_norm = clip_gradient_norm
+    self.positions = list(range(len(self.cells)))
+    self.num_cells = len(self.cells)
+
+  def Select(self, indices):
+    """Keeps only the cells at these pipeline positions."""
+    self.cells = [self.cells[i] for i in indices]
+    self.input_shapes = [self.input_shapes[i] for i in indices]
+    self.positions = [self.positions[i] for i in indices]
 
 
 def ProfileCells(request, log=None):
@@ -349,8 +360,9 @@ def ProfileCells(request, log=None):
   CheckAllocatorCounts()
   done = {}
   profiles = []
-  last = len(request.cells) - 1
-  for k, (cell, shape) in enumerate(zip(request.cells, request.input_shapes)):
+  last = request.num_cells - 1
+  for k, cell, shape in zip(request.positions, request.cells,
+                            request.input_shapes):
     key = CellSignature(cell, shape, k == last)
     if key not in done:
       start = time.perf_counter()

@@ -328,18 +328,14 @@ def _Candidates(num_layers, devices, batch_size, num_partitions,
 class _Candidate:
   """One (K, R, M, remat, schedule): its step and its peaks of ranges."""
 
-  def __init__(self, profiles, k, replicas, m, remat, schedule, batch_size,
-               input_bytes, target_bytes):
-    self.k, self.replicas, self.m = k, replicas, m
-    self.remat, self.schedule = remat, schedule
+  def __init__(self, profiles, k, replicas, step):
+    self.k, self.replicas, self.m = k, replicas, step.num_micro_batches
+    self.remat, self.schedule = step.remat_policy, step.schedule
     self.profiles = profiles
-    self.step = memory_model.StepConfig(
-        schedule=schedule, num_micro_batches=m,
-        batch_size=batch_size // replicas, remat_policy=remat,
-        input_example_bytes=input_bytes, target_example_bytes=target_bytes)
-    self.n = min(memory_model.MicroBatchSizes(self.step.batch_size, m))
+    self.step = step
+    self.n = min(memory_model.MicroBatchSizes(step.batch_size, self.m))
     self.sched = memory_model.MakeSchedule(self.step, k)
-    self.mode = (memory_model.REMAT if remat != 'never' else
+    self.mode = (memory_model.REMAT if self.remat != 'never' else
                  memory_model.NO_REMAT)
     self._peaks = {}
 
@@ -365,6 +361,27 @@ class _Candidate:
     return (f'{self.k} partition(s), M={self.m}, remat_policy={self.remat}, '
             f'schedule={self.schedule}')
 
+  def Balanced(self):
+    """(counts, cells, peaks) of the cut with the smallest largest peak."""
+    found = _Cut(self.profiles, self.k, self.n, self.Peak, self.Peak,
+                 float('inf'))
+    if found is None:
+      return None
+    counts, cells = found
+    return counts, cells, self.Peaks(cells)
+
+
+def MemoryBalancedCut(profiles: LayerProfiles, num_cells, step):
+  """The cut of the layers into num_cells cells whose largest predicted
+  device peak is the smallest, for the step (a memory_model.StepConfig).
+
+  Returns (layer counts, each cell's CellMemory, each device's DevicePeak),
+  or None when there are fewer layers than cells.
+  """
+  if num_cells > len(profiles):
+    return None
+  return _Candidate(profiles, num_cells, 1, step).Balanced()
+
 
 def CandidatePlans(profiles: LayerProfiles, devices: Devices, batch_size,
                    num_partitions=None, micro_batches=None,
@@ -389,16 +406,18 @@ def CandidatePlans(profiles: LayerProfiles, devices: Devices, batch_size,
   for k, r, m, remat, schedule in _Candidates(
       len(profiles), devices, batch_size, num_partitions, micro_batches,
       remat_policies, schedules):
-    candidate = _Candidate(profiles, k, r, m, remat, schedule, batch_size,
-                           input_example_bytes, target_example_bytes)
+    step = memory_model.StepConfig(
+        schedule=schedule, num_micro_batches=m, batch_size=batch_size // r,
+        remat_policy=remat, input_example_bytes=input_example_bytes,
+        target_example_bytes=target_example_bytes)
+    candidate = _Candidate(profiles, k, r, step)
     found = _Cut(profiles, k, candidate.n, candidate.Seconds,
                  candidate.Peak, devices.memory_bytes)
     if found is None:
       # How much memory would it take? The cut that balances the peaks.
-      balanced = _Cut(profiles, k, candidate.n, candidate.Peak,
-                      candidate.Peak, float('inf'))
+      balanced = candidate.Balanced()
       if balanced is not None:
-        need = max(p.peak_bytes for p in candidate.Peaks(balanced[1]))
+        need = max(p.peak_bytes for p in balanced[2])
         if smallest is None or need < smallest[0]:
           smallest = (need, candidate.Describe())
       continue
