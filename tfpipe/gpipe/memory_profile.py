@@ -343,6 +343,9 @@ class ProfileRequest:
     self.clip_gradient_norm = clip_gradient_norm
     self.positions = list(range(len(self.cells)))
     self.num_cells = len(self.cells)
+    # Instead of `inputs` and `targets`: input generator params whose first
+    # batch the profiling process reads (so the caller runs no TF op).
+    self.input_params = None
 
   def Select(self, indices):
     """Keeps only the cells at these pipeline positions."""
@@ -358,6 +361,11 @@ def ProfileCells(request, log=None):
   (CheckAllocatorCounts).
   """
   CheckAllocatorCounts()
+  if request.inputs is None and request.input_params is not None:
+    tf = _Tf()
+    dataset = request.input_params.Instantiate().GetDataset(0)
+    request.inputs, request.targets = tf.nest.map_structure(
+        lambda t: t.numpy(), next(iter(dataset)))
   done = {}
   profiles = []
   last = request.num_cells - 1

@@ -41,12 +41,15 @@ def Choose(p, devices, log=print, example=None):
   """Plans the experiment for `devices` (a planner.Devices); applies and
   returns the PipelinePlan.
 
+  Runs no TensorFlow op in this process (profiles run in a subprocess,
+  unless `example`, a numpy (inputs, targets) batch, is given and this
+  process's allocator counts), so devices can still be set up after it.
+
   Raises:
     planner.NoPlanError: nothing fits; its message names the smallest
       per-device memory that would.
   """
   batch_size = p.input.batch_size
-  example = example if example is not None else memory_report.ExampleBatch(p)
   sizes = ProfiledSizes(batch_size, devices.count)
   log(f'Planning for {devices.count} device(s) of '
       f'{devices.memory_bytes / MIB:.0f} MiB: profiling the layers at '

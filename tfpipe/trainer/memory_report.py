@@ -12,6 +12,7 @@ out-of-memory error quotes it.
 
 import math
 
+from tfpipe import cost_model
 from tfpipe import memory_limit
 from tfpipe.gpipe import memory_model
 from tfpipe.gpipe import memory_profile
@@ -58,16 +59,20 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None):
     p: the experiment params.
     cells: the cell params (default: the experiment's own cut).
     micro_batch_sizes: sizes to profile (default: the step's).
-    example: (inputs, targets) numpy batch (default: one of p.input's).
+    example: (inputs, targets) numpy batch; None: the profiling process
+      reads one of p.input's (this process runs no TensorFlow op).
   """
   model = p.task.model.Instantiate()
   if cells is None:
     cells = task_lib.PartitionCells(p.task, model)
-  inputs, targets = example if example is not None else ExampleBatch(p)
-  return memory_profile.ProfileRequest(
+  inputs, targets = example if example is not None else (None, None)
+  request = memory_profile.ProfileRequest(
       cells, CellInputShapes(cells, model.InputShape()), inputs, targets,
       model.Loss, micro_batch_sizes or StepMicroBatchSizes(p),
       p.task.train.optimizer, p.task.train.clip_gradient_norm)
+  if example is None:
+    request.input_params = p.input
+  return request
 
 
 def Profile(request, log=None):
@@ -76,6 +81,14 @@ def Profile(request, log=None):
   if memory_limit.UsesBfc() and memory_limit.LimitMb() is None:
     return memory_profile.ProfileCells(request, log=log)
   return memory_profile.ProfileInSubprocess(request, log=log)
+
+
+def _DtypeSize(dtype):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  try:
+    return np.dtype(dtype).itemsize
+  except TypeError:
+    return 4
 
 
 def _ExampleBytes(structure, batch_size):
@@ -93,11 +106,15 @@ def StepConfig(p, example=None):
   if devices and len(set(devices)) < len(devices):
     unique = list(dict.fromkeys(devices))
     device_of_cell = [unique.index(d) for d in devices]
-  input_bytes = target_bytes = 0.0
   if example is not None:
     batch = p.input.batch_size
     input_bytes = _ExampleBytes(example[0], batch)
     target_bytes = _ExampleBytes(example[1], batch)
+  else:  # From the model's input shape; targets are small next to it.
+    model = p.task.model.Instantiate()
+    input_bytes = cost_model.NumElements(model.InputShape(), 1) * (
+        _DtypeSize(model.InputDtype()))
+    target_bytes = 0.0
   return memory_model.StepConfig(
       schedule=pp.schedule, num_micro_batches=pp.num_micro_batches,
       batch_size=ReplicaBatchSize(p), remat_policy=pp.remat_policy,

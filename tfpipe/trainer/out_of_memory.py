@@ -18,6 +18,9 @@ so the last good checkpoint is untouched (the train loop saves only after
 a step succeeds).
 """
 
+import os
+import re
+
 from tfpipe import device_names
 from tfpipe import memory_limit
 from tfpipe import out_of_memory
@@ -35,10 +38,23 @@ class OutOfMemoryStop(Exception):
   exit_status = EXIT_OUT_OF_MEMORY
 
 
-def LastGood(path):
-  """The sentence about the checkpoints a stopped run leaves."""
+def LastGood(path, checkpoint_dir=None):
+  """The sentence about the checkpoints a stopped run leaves.
+
+  Args:
+    path: the newest good checkpoint the run knew of, if any.
+    checkpoint_dir: where to look when the run stopped before knowing.
+  """
   if path:
     return f'The last good checkpoint, {path}, is kept.'
+  numbers = []
+  if checkpoint_dir and os.path.isdir(checkpoint_dir):
+    numbers = [int(m.group(1)) for m in (
+        re.fullmatch(r'ckpt-(\d+)\.index', name)
+        for name in os.listdir(checkpoint_dir)) if m]
+  if numbers:
+    return (f'The checkpoints in {checkpoint_dir} (the newest '
+            f'ckpt-{max(numbers)}) were not touched.')
   return 'No checkpoint was written or changed.'
 
 

@@ -321,7 +321,8 @@ def _Main(show_startup_log, watch):
   diagnosis = memory_budget.Diagnosis(
       p, FLAGS, devices_used, controller, watch, split,
       last_good=lambda: out_of_memory.LastGood(
-          trainers[0].manager.latest_checkpoint if trainers else None))
+          trainers[0].manager.latest_checkpoint if trainers else None,
+          os.path.join(FLAGS.logdir, train_loop.CHECKPOINT_DIR)))
   try:
     trainer = train_loop.Trainer(
         p, FLAGS.logdir, nan_policy=FLAGS.nan_policy,
