@@ -62,6 +62,7 @@ flags.DEFINE_integer('seq', 64, 'Transformer: sequence length.')
 flags.DEFINE_integer('filters', 16, 'AmoebaNet: D.')
 flags.DEFINE_integer('image', 32, 'AmoebaNet: image size.')
 flags.DEFINE_integer('max_trials', 4, 'Trials per configuration at most.')
+flags.DEFINE_integer('max_size', 192, 'Largest size the search considers.')
 flags.DEFINE_integer('trial_timeout_s', 300, 'Timeout of one trial.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
 # Internal: set when this file runs as one trial's subprocess.
@@ -277,15 +278,19 @@ class Predictor:
     counts, _, peaks = found
     return [p.peak_bytes for p in peaks], counts, peaks
 
-  def Largest(self, config, start, limit=4096):
+  def Largest(self, config, start):
     """The largest size predicted to fit (galloping, then bisecting)."""
     step, smallest, _ = FAMILIES[self.family]
     budget = FLAGS.budget_mib * MIB
+    limit = FLAGS.max_size
 
     def Fits(size):
       peaks, _, _ = self.Peaks(config, size)
       return peaks is not None and max(peaks) <= budget
-    if not Fits(smallest):
+    # The smallest model with at least one layer per cell.
+    while smallest <= limit and self.Peaks(config, smallest)[0] is None:
+      smallest += step
+    if smallest > limit or not Fits(smallest):
       return 0
     good, size = smallest, max(smallest, start)
     while size <= limit and Fits(size):
