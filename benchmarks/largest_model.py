@@ -63,7 +63,8 @@ flags.DEFINE_integer('filters', 16, 'AmoebaNet: D.')
 flags.DEFINE_integer('image', 32, 'AmoebaNet: image size.')
 flags.DEFINE_integer('max_trials', 4, 'Trials per configuration at most.')
 flags.DEFINE_integer('max_size', 192, 'Largest size the search considers.')
-flags.DEFINE_integer('trial_timeout_s', 300, 'Timeout of one trial.')
+flags.DEFINE_integer('trial_timeout_s', 600, 'Timeout of one trial; one '
+                     'that times out stops its search (no memory verdict).')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
 # Internal: set when this file runs as one trial's subprocess.
 flags.DEFINE_string('trial', None, 'Run one trial of this configuration.')
@@ -325,12 +326,19 @@ def Search(family, config, predictor, start, log):
         f'{"" if result["fits"] else " " + result.get("error", "")}')
     return result['fits']
 
+  def TimedOut():
+    return any(t.get('timed_out') for t in trials.values())
+
+  # A trial that times out says nothing about memory: the search stops
+  # there, and the largest size that fitted is a lower bound.
   size = max(predicted, smallest)
   if Run(size):
-    while len(trials) < FLAGS.max_trials and Run(size + step):
+    while (len(trials) < FLAGS.max_trials and not TimedOut() and
+           Run(size + step)):
       size += step
     return size, trials, predicted
-  while len(trials) < FLAGS.max_trials and size > smallest:
+  while (len(trials) < FLAGS.max_trials and size > smallest and
+         not TimedOut()):
     size -= step
     if Run(size):
       return size, trials, predicted
@@ -388,7 +396,12 @@ def _Report(results, bench_lib, seconds):
     for r in mine:
       growth = r['params'] / base['params'] if base['params'] else 0.0
       size_growth = r['size'] / base['size'] if base['size'] else 0.0
-      rows.append([family, r['config'], r['size'], r['predicted_size'],
+      # No larger size was seen to fail: the answer is a lower bound.
+      bound = not any(not t['fits'] and int(size) > r['size']
+                      for size, t in r['trials'].items())
+      rows.append([family, r['config'],
+                   f'>={r["size"]}' if bound else r['size'],
+                   r['predicted_size'],
                    f'{r["params"] / 1e6:.2f}M', f'{growth:.1f}x',
                    f'{size_growth:.1f}x',
                    ' '.join(f'{v:.1f}' for v in r['measured_peaks_mib']),

@@ -99,14 +99,10 @@ def MaybeServe(flag_values):
   if resolved is None or resolved[1] == cluster_spec.CONTROLLER_JOB:
     return False
   spec, job, task = resolved
-  from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
-  # Its out-of-memory records, for the controller to ask for.
-  out_of_memory.WorkerReport(
-      job, task, cluster_spec.TaskAddress(spec, job, task),
-      hide_warnings=out_of_memory.WarningsHidden()).Start()
+  threads = getattr(flag_values, 'intra_op_threads', 0)
   servers.Serve(spec, job, task, flag_values.bind_address,
                 flag_values.devices_per_worker,
-                intra_op_threads=flag_values.intra_op_threads)
+                **({'intra_op_threads': threads} if threads else {}))
   return True
 
 
@@ -284,8 +280,11 @@ def _WorkerMain(argv):
   from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
   verbosity = (flags.FLAGS.verbosity if flags.FLAGS['verbosity'].present
                else None)
-  # Before TensorFlow starts: its out-of-memory records are warnings.
-  out_of_memory.KeepWarnings(quiet.ShowStartupLog(verbosity))
+  # Before TensorFlow starts: its out-of-memory records are warnings, which
+  # the worker reports for its controller to ask for.
+  out_of_memory.StartWorkerReport(
+      flags.FLAGS.job, flags.FLAGS.task, flags.FLAGS.cluster_spec,
+      quiet.ShowStartupLog(verbosity))
   quiet.ImportTensorFlow(quiet.ShowStartupLog(verbosity))
   try:
     if not MaybeServe(flags.FLAGS):

@@ -298,6 +298,33 @@ class WorkerReport:
     return self
 
 
+def StartWorkerReport(job, task, cluster_spec_text, show_all,
+                      environ=None):
+  """A worker's WorkerReport, started before TensorFlow (None if this
+  process is not a worker of a cluster spec or TF_CONFIG).
+
+  Reads the spec without TensorFlow, so that the log level can still be
+  lowered (KeepWarnings).
+  """
+  from tfpipe import cluster_spec  # pylint: disable=g-import-not-at-top
+  environ = os.environ if environ is None else environ
+  try:
+    if cluster_spec_text:
+      jobs = cluster_spec.ParseClusterJobs(cluster_spec_text)
+    else:
+      config = json.loads(environ.get('TF_CONFIG') or '{}')
+      jobs = config.get('cluster') or {}
+      job = job or (config.get('task') or {}).get('type')
+      task = (config.get('task') or {}).get('index') if task is None else task
+    address = jobs[job][task or 0]
+  except (KeyError, IndexError, TypeError, ValueError):
+    return None
+  if job == cluster_spec.CONTROLLER_JOB:
+    return None
+  hide = KeepWarnings(show_all)
+  return WorkerReport(job, task or 0, address, hide_warnings=hide).Start()
+
+
 def _WorkerDevice(job, task):
   return f'/job:{job}/replica:0/task:{task}/device:CPU:0'
 

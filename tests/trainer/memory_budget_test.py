@@ -38,10 +38,18 @@ def test_a_controller_watches_nothing():
   assert out_of_memory.LOG_LEVEL_ENV not in os.environ
 
 
-@flagsaver.flagsaver(job='worker')
-def test_a_worker_keeps_tensorflow_warnings():
+@flagsaver.flagsaver(job='worker', task=1,
+                     cluster_spec='controller=127.0.0.1:1;worker=127.0.0.1:2,'
+                     '127.0.0.1:3')
+def test_a_worker_keeps_tensorflow_warnings_and_reports(tmp_path,
+                                                        monkeypatch):
+  paths = []
+  monkeypatch.setattr(out_of_memory, 'ReportPath', lambda *args: (
+      paths.append(args) or str(tmp_path / 'report.jsonl')))
   memory_budget.WatchThisProcess(FLAGS, False).Stop()
   assert os.environ[out_of_memory.LOG_LEVEL_ENV] == '1'
+  assert paths == [('worker', 1, '127.0.0.1:3')]
+  assert (tmp_path / 'report.jsonl').exists()
 
 
 def test_plan_needs_a_budget_and_a_device_count():

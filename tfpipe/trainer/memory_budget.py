@@ -63,9 +63,12 @@ def WatchThisProcess(flag_values, show_startup_log):
   role = _Role(flag_values)
   if role == cluster_spec.CONTROLLER_JOB:
     return _NoWatch()
-  hide = out_of_memory.KeepWarnings(show_startup_log)
   if role:
-    return _NoWatch()
+    report = out_of_memory.StartWorkerReport(
+        flag_values.job, flag_values.task, flag_values.cluster_spec,
+        show_startup_log)
+    return report.watch if report else _NoWatch()
+  hide = out_of_memory.KeepWarnings(show_startup_log)
   return out_of_memory.StderrWatch(hide_warnings=hide).Start()
 
 
@@ -128,8 +131,7 @@ def InspectLines(p, flag_values, devices):
   cells takes seconds, so it is not printed otherwise)."""
   budget = flag_values.device_memory_mb or memory_limit.LimitMb()
   if not budget:
-    return ['(--device_memory_mb=N adds each device\'s predicted peak next '
-            'to a budget of N MiB.)']
+    return []
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   example = memory_report.ExampleBatch(p)
   profiles = memory_report.Profile(memory_report.ProfileRequest(

@@ -312,7 +312,8 @@ def _Main(show_startup_log, watch):
   devices_used = CheckDevices(p)
   if FLAGS.mode == 'inspect_model':
     print(InspectModel(p))
-    print('\n'.join(memory_budget.InspectLines(p, FLAGS, devices_used)))
+    for line in memory_budget.InspectLines(p, FLAGS, devices_used):
+      print(line)
     return 0
 
   from tfpipe.trainer import out_of_memory  # pylint: disable=g-import-not-at-top
