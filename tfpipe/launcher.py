@@ -20,6 +20,12 @@ the launcher itself is killed. The launcher exits with the controller's
 status, or nonzero if a worker failed to start or the controller did not
 stop after losing a worker.
 
+With --device_memory_mb=N each worker's allocator is capped at N MiB (in
+its environment only; tfpipe.memory_limit): the CPU stand-in for
+accelerators of N MiB, each with its own memory, and --intra_op_threads
+gives each its own op threads. The controller gets N as its budget
+(--plan=auto, out-of-memory errors).
+
 Its children hide TensorFlow's C++ start-up log (tfpipe.quiet); the
 launcher's --verbosity=1 is passed on to the workers and, unless the
 controller's arguments set their own, to the controller, and shows it.

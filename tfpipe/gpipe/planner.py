@@ -440,6 +440,19 @@ def CandidatePlans(profiles: LayerProfiles, devices: Devices, batch_size,
   return plans
 
 
+def PlanPipeline(profiles: LayerProfiles, devices: Devices, batch_size,
+                 **options):
+  """The fastest configuration predicted to fit, with its reasons.
+
+  CandidatePlans' arguments; returns its best PipelinePlan, explained.
+
+  Raises:
+    NoPlanError: nothing fits; names the smallest memory that would.
+  """
+  return Explain(CandidatePlans(profiles, devices, batch_size, **options),
+                 devices)
+
+
 def Explain(plans, devices):
   """Fills plans[0].reasons: why it, against the others; returns it."""
   best = plans[0]
