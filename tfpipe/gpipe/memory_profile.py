@@ -211,7 +211,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
   """
   CheckAllocatorCounts()
   tf = _Tf()
-  from tfpipe import gpipe  # pylint: disable=g-import-not-at-top
+  from tfpipe.gpipe import pipelining_layer  # pylint: disable=g-import-not-at-top
   n = int(micro_batch_size)
   batch = _Take(inputs, 2 * n)
   batch_targets = _Take(targets, 2 * n) if (is_last and
@@ -222,7 +222,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
   result.input_bytes = _Bytes(single)
   result.input_gradient_bytes = _FloatBytes(single)
   for mode in (memory_model.REMAT, memory_model.NO_REMAT):
-    pipe = gpipe.PipeliningLayer.Params().Set(
+    pipe = pipelining_layer.PipeliningLayer.Params().Set(
         name='profile', cell_tpl=[cell_params.Copy()], num_micro_batches=2,
         devices=[LocalCpu()], executor='threads', schedule='gpipe',
         remat_policy=mode).Instantiate()

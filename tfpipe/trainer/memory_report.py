@@ -165,12 +165,12 @@ def SmallestBudgetMb(peaks):
 def LayerCells(p):
   """Each layer of the experiment's model as a one-layer cell (the planner's
   unit)."""
-  from tfpipe import gpipe  # pylint: disable=g-import-not-at-top
+  from tfpipe.gpipe import cell as cell_lib  # pylint: disable=g-import-not-at-top
   model = p.task.model.Instantiate()
   layers = partition.FlattenSequentialLayers(
       task_lib.SeededLayerParams(model, p.task.random_seed))
-  return [gpipe.FeatureExtractionLayer.Params().Set(name=f'layer{i}',
-                                                    sub=[layer.Copy()])
+  return [cell_lib.FeatureExtractionLayer.Params().Set(name=f'layer{i}',
+                                                       sub=[layer.Copy()])
           for i, layer in enumerate(layers)]
 
 
