@@ -17,7 +17,7 @@ from tfpipe.gpipe import schedule as schedule_lib
 MIB = 2**20
 
 
-def _Cell(n, is_last=False, variables=10 * MIB):
+def _Cell(n, is_last=False, variables=MIB):
   """A cell whose activations are n MiB per kept micro-batch, etc."""
   return memory_model.CellMemory(
       micro_batch_size=n, variable_bytes=variables,
@@ -45,10 +45,10 @@ def _Peaks(num_cells, schedule, m, remat, batch=16):
 def test_resident_part_is_variables_accumulators_and_slots():
   peak = _Peaks(1, 'gpipe', 1, 'always')[0]
   assert (peak.variable_bytes, peak.accumulator_bytes,
-          peak.optimizer_bytes) == (10 * MIB, 10 * MIB, 20 * MIB)
+          peak.optimizer_bytes) == (MIB, MIB, 2 * MIB)
   # One cell: F and B run as one call, whose working set is the largest.
   assert peak.action == 'F0.0'
-  assert peak.peak_bytes == 40 * MIB + 2 * 16 * MIB
+  assert peak.peak_bytes == 4 * MIB + 2 * 16 * MIB
 
 
 def test_gpipe_without_remat_keeps_every_micro_batch():
@@ -103,7 +103,7 @@ def test_profiles_interpolate_affinely_and_keep_resident_fields():
   profile = memory_model.CellProfile([_Cell(2), _Cell(10)])
   middle = profile.At(6)
   assert middle.kept['never'] == pytest.approx(6 * MIB)
-  assert middle.variable_bytes == 10 * MIB
+  assert middle.variable_bytes == MIB
   assert profile.At(20).kept['never'] == pytest.approx(20 * MIB)
   assert profile.At(1).forward_peak['always'] == pytest.approx(MIB / 2)
   restored = memory_model.CellProfile.FromDict(profile.ToDict())
@@ -123,4 +123,4 @@ def test_interleaved_placement_sums_a_devices_cells():
                                  device_of_cell=[0, 1, 0, 1])
   peaks = memory_model.PredictPeaks(_Profiles(4), step)
   assert [p.cells for p in peaks] == [[0, 2], [1, 3]]
-  assert peaks[0].variable_bytes == 20 * MIB
+  assert peaks[0].variable_bytes == 2 * MIB
