@@ -80,6 +80,10 @@ def _Measure(p, workers, batch, num_cells):
   """Each worker's peak over the measured steps, on `workers` (fresh)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   workers.WaitUntilServing()
+  # Functions of the previous configuration (or of profiling) are removed
+  # from the context when collected; collect them before the context is
+  # rebuilt for new workers (TensorFlow fails on a removal in between).
+  gc.collect()
   workers.Connect()
   p = p.Copy()
   p.task.pipeline.devices = workers.devices
