@@ -1,9 +1,9 @@
 """Tests of --plan=auto (tfpipe.trainer.auto_plan) on emulated accelerators.
 
-The CI-sized check of issue 20: two worker processes, each capped at 16 MiB
+The CI-sized check of issue 20: two worker processes, each capped at 25 MiB
 (the launcher's --device_memory_mb), and a model whose weights, gradients
-and Adam slots alone need more than one of them (an MLP of 512-wide layers:
-the memory model predicts 19 MiB on one device). Protected properties:
+and Adam slots alone need more than one of them (an MLP of eight 512-wide
+layers: 28 MiB on one device). Protected properties:
 the planner sees that one device cannot hold it and trains it on two, every
 device within its limit; the same model forced onto one device runs out of
 memory with a short error that names the worker, the cell and its layers,
@@ -24,12 +24,13 @@ from tfpipe.trainer import auto_plan
 from tfpipe.trainer import out_of_memory
 
 _MODEL = ['--model=mlp.TinyMlp',
-          '--model_params_override=task.model.hidden_dim: 512']
+          '--model_params_override=task.model.hidden_dim: 512; '
+          'task.model.num_hidden_layers: 8']
 
 
 def _Launch(logdir, *args):
   return quiet_test.RunPython(
-      '-m', 'tfpipe.launcher', '--num_workers=2', '--device_memory_mb=16',
+      '-m', 'tfpipe.launcher', '--num_workers=2', '--device_memory_mb=25',
       '--', *_MODEL, f'--logdir={logdir}', *args, timeout=240)
 
 
@@ -62,8 +63,9 @@ def test_a_model_too_big_for_one_capped_worker_trains_on_two(tmp_path):
              if line.startswith('ERROR:')]
   assert error.startswith(
       'ERROR: Out of memory on /job:worker/replica:0/task:0/device:CPU:0, '
-      'which runs cell0 (fc_0, fc_1, fc_2, fc_3, logits)')
-  assert 'Its limit is 16 MiB; the memory model predicted' in error
+      'which runs cell0 (fc_0, fc_1, fc_2, fc_3, fc_4, fc_5, fc_6, fc_7, '
+      'logits)')
+  assert 'Its limit is 25 MiB; the memory model predicted' in error
   assert '--plan=auto' in error
   assert 'ckpt-4) were not touched' in error or 'ckpt-4, is kept' in error
   assert _Digests(logdir / 'checkpoints') == checkpoints
