@@ -42,8 +42,7 @@ import time
 from absl import app
 from absl import flags
 
-from tfpipe import cluster_spec
-from tfpipe import local_cluster
+from benchmarks import capped_workers
 from tfpipe import network_namespace
 
 FLAGS = flags.FLAGS
@@ -57,59 +56,23 @@ flags.DEFINE_integer('total_timeout_s', 300, 'Watchdog for the whole run.')
 flags.DEFINE_integer('startup_timeout_s', 120, 'Deadline for the workers to '
                      'serve.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
-# Internal: set when this file runs as a worker process.
-flags.DEFINE_string('worker_cluster', None, 'Worker: the cluster spec.')
-flags.DEFINE_integer('worker_task', None, 'Worker: task index.')
 flags.DEFINE_string('measure_row', None, "Internal: measure one row, "
                     "'<executor>,<placed|unplaced>', in fresh workers.")
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CHILDREN = local_cluster.ChildProcesses('device_memory')
-_PROCS = []  # The workers' processes, in task order.
+_WORKERS = []  # The CappedWorkers of this row.
 MIB = 2.0**20
 
 
-def _RunWorker():
-  """Serves one device and answers 'reset'/'peak' about its allocator."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfpipe import servers  # pylint: disable=g-import-not-at-top
-  spec = cluster_spec.ParseClusterSpec(FLAGS.worker_cluster)
-  server = servers.StartServer(spec, cluster_spec.WORKER_JOB,
-                               FLAGS.worker_task)
-  for line in sys.stdin:
-    command = line.strip()
-    if command == 'reset':
-      tf.config.experimental.reset_memory_stats('CPU:0')
-      print('OK', flush=True)
-    elif command == 'memory':
-      print(json.dumps(tf.config.experimental.get_memory_info('CPU:0')),
-            flush=True)
-    else:
-      break
-  del server
-
-
-def _Ask(proc, command):
-  proc.stdin.write(command + '\n')
-  proc.stdin.flush()
-  return proc.stdout.readline().strip()
-
-
 def _StartWorkers(num):
-  """K worker processes plus this controller, all on 127.0.0.1."""
-  jobs = local_cluster.LocalClusterJobs(num)
-  env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true',
-             TF_CPP_MIN_LOG_LEVEL='2')
-  atexit.register(_CHILDREN.Close)
-  workers = local_cluster.StartWorkers(
-      _CHILDREN, jobs, lambda k: [
-          sys.executable, '-m', 'benchmarks.device_memory',
-          f'--worker_cluster={cluster_spec.FormatClusterSpec(jobs)}',
-          f'--worker_task={k}'],
-      FLAGS.startup_timeout_s, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-      stderr=subprocess.DEVNULL, text=True, cwd=_REPO_ROOT, env=env)
-  _PROCS.extend(proc for _, _, proc in workers)
-  return jobs
+  """K single-device worker processes (benchmarks.capped_workers), each
+  with its own counting allocator; this process is their controller."""
+  workers = capped_workers.CappedWorkers(
+      num, intra_op_threads=0, startup_timeout_s=FLAGS.startup_timeout_s,
+      owner='device_memory')
+  atexit.register(workers.Close)
+  _WORKERS.append(workers)
+  return workers
 
 
 @contextlib.contextmanager
@@ -157,38 +120,31 @@ def _Measure(devices, executor, placed):
     with contextlib.nullcontext() if placed else _PlacementOff():
       for _ in range(FLAGS.steps):
         float(task.TrainStep((x, y))['loss'])
-      for proc in _PROCS:
-        _Ask(proc, 'reset')
+      _WORKERS[0].Reset()
       float(task.TrainStep((x, y))['loss'])
-  return [json.loads(_Ask(proc, 'memory'))['peak'] for proc in _PROCS]
+  return _WORKERS[0].Peaks()
 
 
 def _MeasureRow():
   """One row in fresh workers (so no row sees another's memory); prints JSON."""
   executor, update = FLAGS.measure_row.split(',')
-  jobs = _StartWorkers(FLAGS.num_cells)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfpipe import device_names  # pylint: disable=g-import-not-at-top
-  from tfpipe import servers  # pylint: disable=g-import-not-at-top
-  servers.ConnectToCluster(tf.train.ClusterSpec(jobs))
-  devices = device_names.PipelineDevices(FLAGS.num_cells, FLAGS.num_cells)
-  peaks = _Measure(devices, executor, update == 'placed')
+  workers = _StartWorkers(FLAGS.num_cells)
+  workers.Connect()
+  peaks = _Measure(workers.devices, executor, update == 'placed')
   print('ROW' + json.dumps(peaks), flush=True)
   sys.stdout.flush()
-  _CHILDREN.Close()
+  workers.Close()
   os._exit(0)  # pylint: disable=protected-access
 
 
 def main(argv):
   del argv
-  if FLAGS.worker_task is not None:
-    _RunWorker()
-    return
   network_namespace.EnterLoopbackNamespace('benchmarks.device_memory',
                                            sys.argv)
   watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (
       print('watchdog: run too long; stopping.', flush=True),
-      _CHILDREN.Close(), os._exit(3)))  # pylint: disable=protected-access
+      [w.Close() for w in _WORKERS],
+      os._exit(3)))  # pylint: disable=protected-access
   watchdog.daemon = True
   watchdog.start()
   if FLAGS.measure_row:

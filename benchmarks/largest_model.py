@@ -1,315 +1,348 @@
-r"""Largest Transformer that trains under a memory budget (GPipe Table 1 style).
+r"""GPipe Table 1 on emulated accelerators: the largest model that trains.
 
-Why: GPipe's headline is model *size*: re-materialization and partitioning
-let a fixed per-accelerator memory hold far larger models (AmoebaNet 82M
-naive -> 318M pipeline-1 -> 1.8B pipeline-8; Transformer 3 -> 13 -> 103
-layers for pipeline-8). This searches the largest number of Transformer
-layers whose training step stays under a budget:
+Why: GPipe's headline is model *size*. Each of K accelerators has a fixed
+memory; re-materialization and partitioning let them hold far more than one
+plain model: AmoebaNet-D 82M parameters naive, 318M pipeline-1, 542M
+pipeline-2, 1.05B pipeline-4, 1.8B pipeline-8 (22x); a Transformer 3
+layers naive, 13 pipeline-1, 103 pipeline-8 (34x).
 
-  naive       plain Keras step, no pipeline, no remat, one device;
-  pipeline-1  tfpipe, K=1, M micro-batches, remat;
-  pipeline-K  tfpipe, K cells on K logical CPU devices, M, remat.
+How: every device is a worker process whose allocator is capped at
+--budget_mib (TF_CPU_BFC_MEM_LIMIT_IN_MB: an allocation past it fails, as
+on an accelerator of that size; benchmarks.capped_workers), with one
+intra-op thread. A trial trains one full step (forward, backward, the
+optimizer's update; then a second one) of a model of one size:
 
-How: each trial is a fresh subprocess (so nothing of an earlier trial stays
-allocated) with TensorFlow's BFC CPU allocator, building the model and
-running two SGD train steps; its peak bytes are read from
-`get_memory_info('CPU:0')`. Logical CPU devices share that allocator, so for
-pipeline-K the total peak is compared with K x the per-device budget, which
-assumes the K cells are balanced (partitioned by parameters; the layers are
-identical). Search: double the layer count from the previous configuration's
-answer until a trial exceeds the budget, then bisect.
+  naive-1     plain Keras (GradientTape, clipping, Adam) in one capped
+              process;
+  pipeline-K  the trainer's step (tfpipe.trainer.task) on K capped
+              workers, remat_policy='always', schedule='1f1b', M = N
+              micro-batches of one example, executor='threads' (which
+              traces each cell once), cut by the memory model so that the
+              devices' predicted peaks are balanced.
 
-    python -m benchmarks.largest_model --output_json=/tmp/largest.json
+A trial fits if both steps run; it then reports each worker's peak. The
+memory model (gpipe.memory_model, fed by one profiled step per distinct
+layer) predicts the largest size of each configuration first, so the
+search needs few trials: the prediction, then one size up (and down while
+a trial fails, up while one fits).
 
-On a GPU (--device=auto picks it when one is visible) this is GPipe Table 1
-on logical GPUs: each trial splits the GPU into K logical GPUs of
---budget_mib each (tfpipe.devices), so every device has its own allocator
-and a HARD limit, and a trial fits if two Adam steps run without running
-out of memory (each device's peak is read with get_memory_info('GPU:k')).
-The defaults there are the paper's Transformer: d=2048, FFN 8192, 16 heads,
-batch 32 x 256 tokens, Adam, 8 GiB per device, K=8, executor 'auto' (graph
-on GPUs); the naive model is expected to fit 2 layers. K x budget must fit
-the GPU, which is checked before any trial:
+Models: a Transformer LM (size: its number of blocks) and AmoebaNet-D(L, D)
+with D fixed (size: L, a multiple of 3), at shapes small enough for the
+whole run to take about 15 minutes on 2 cores. The growth over naive-1 is
+printed next to GPipe's, and for the largest pipeline each device's
+predicted peak says where its memory goes.
 
-    python -m benchmarks.largest_model --device=gpu \
-        --output_json=/tmp/largest_gpu.json
+    python -m benchmarks.largest_model --output_json=/tmp/bench/largest_model.json
 """
 
 import json
 import os
 import subprocess
 import sys
+import time
 
-from absl import app
-from absl import flags
+os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+
+from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
+from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
-# Defaults of None are per device: (CPU, GPU), from DEFAULTS.
-flags.DEFINE_enum('device', 'auto', ['auto', 'cpu', 'gpu'],
-                  'Where the trials run: logical CPU devices sharing one '
-                  'BFC allocator, logical GPUs of --budget_mib each, or auto '
-                  '(gpu when one is visible).')
-flags.DEFINE_float('budget_mib', None, 'Memory budget per device, MiB '
-                   '(CPU 48, GPU 8192: each logical GPU\'s hard limit).')
-flags.DEFINE_integer('num_cells', None, 'K of the pipeline-K configuration '
-                     '(CPU 4, GPU 8).', lower_bound=1)
-flags.DEFINE_integer('num_micro_batches', None, 'M of the pipelined runs '
-                     '(CPU 4, GPU 8).', lower_bound=1)
-flags.DEFINE_integer('batch', None, 'Global batch size N (CPU 16, GPU 32).')
-flags.DEFINE_integer('seq', None, 'Sequence length (CPU 64, GPU 256).')
-flags.DEFINE_integer('dim', None, 'Model dim, FFN 4*dim (CPU 128, GPU 2048).')
-flags.DEFINE_integer('heads', None, 'Attention heads (CPU 4, GPU 16).')
-flags.DEFINE_enum('optimizer', None, ['sgd', 'adam'],
-                  'Update of the trials (CPU sgd, GPU adam: two slots per '
-                  'parameter, on its device).')
-flags.DEFINE_integer('max_layers', None, 'Stop the search here (CPU 64, GPU '
-                     '256).')
-flags.DEFINE_integer('trial_timeout_s', None, 'Timeout of one trial, s (CPU '
-                     '240, GPU 600).')
-flags.DEFINE_enum('executor', None, ['threads', 'graph', 'auto'],
-                  "Executor of the pipelined trials (CPU threads, GPU auto, "
-                  "which is graph there). 'threads' traces each cell once; "
-                  "'graph' traces every action of the schedule, which takes "
-                  'minutes for deep models.')
+flags.DEFINE_float('budget_mib', 24, 'Memory of each emulated accelerator.')
+flags.DEFINE_list('families', ['transformer', 'amoebanet'],
+                  'Model families (keys of FAMILIES).')
+flags.DEFINE_list('configs', ['naive-1', 'pipeline-1', 'pipeline-2',
+                              'pipeline-4', 'pipeline-8'],
+                  'naive-1 and pipeline-K configurations.')
+flags.DEFINE_integer('batch', 8, 'Global batch N (M = N in the pipelines).')
+flags.DEFINE_integer('dim', 64, 'Transformer: model dim (FFN 4x, 4 heads).')
+flags.DEFINE_integer('seq', 64, 'Transformer: sequence length.')
+flags.DEFINE_integer('filters', 16, 'AmoebaNet: D.')
+flags.DEFINE_integer('image', 32, 'AmoebaNet: image size.')
+flags.DEFINE_integer('max_trials', 4, 'Trials per configuration at most.')
+flags.DEFINE_integer('max_size', 192, 'Largest size the search considers.')
+flags.DEFINE_integer('trial_timeout_s', 600, 'Timeout of one trial; one '
+                     'that times out stops its search (no memory verdict).')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
 # Internal: set when this file runs as one trial's subprocess.
-flags.DEFINE_string('trial', None, 'Run one trial: naive or pipeline.')
-flags.DEFINE_integer('layers', 1, 'Trial: number of layers.')
-flags.DEFINE_integer('trial_cells', 1, 'Trial: K.')
+flags.DEFINE_string('trial', None, 'Run one trial of this configuration.')
+flags.DEFINE_string('family', None, 'Trial: the model family.')
+flags.DEFINE_integer('size', None, 'Trial: the model size.')
+flags.DEFINE_list('layer_counts', None, 'Trial: layers per cell.')
 
-_MIB = 1024.0 * 1024.0
+MIB = 2.0**20
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Per-device defaults of the flags left at None: {flag: (CPU, GPU)}. The GPU
-# column is GPipe Table 1's Transformer on 8 GiB devices.
-DEFAULTS = {
-    'budget_mib': (48.0, 8192.0), 'num_cells': (4, 8),
-    'num_micro_batches': (4, 8), 'batch': (16, 32), 'seq': (64, 256),
-    'dim': (128, 2048), 'heads': (4, 16), 'optimizer': ('sgd', 'adam'),
-    'max_layers': (64, 256), 'trial_timeout_s': (240, 600),
-    'executor': ('threads', 'auto'),
+# family: (size step, smallest size, GPipe's numbers by configuration).
+FAMILIES = {
+    'transformer': (1, 1, {'naive-1': '3 layers', 'pipeline-1': '13 layers',
+                           'pipeline-8': '103 layers (34x)'}),
+    'amoebanet': (3, 3, {'naive-1': '82M', 'pipeline-1': '318M (3.9x)',
+                         'pipeline-2': '542M (6.6x)',
+                         'pipeline-4': '1.05B (12.8x)',
+                         'pipeline-8': '1.8B (22x)'}),
 }
 
 
-def ResolveDefaults(flag_values, device_type):
-  """Sets every flag left at None to its default for 'CPU' or 'GPU'."""
-  column = 0 if device_type == 'CPU' else 1
-  for name, values in DEFAULTS.items():
-    if flag_values[name].value is None:
-      flag_values[name].value = values[column]
+def ExperimentParams(family, size):
+  """The trainer's params of the family's model of this size."""
+  from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
+  if family == 'transformer':
+    p = model_registry.GetParams('lm.TinyTransformerLm', 'Train')
+    p.task.model.Set(num_layers=size, model_dim=FLAGS.dim, num_heads=4,
+                     hidden_dim=4 * FLAGS.dim, sequence_length=FLAGS.seq,
+                     vocab_size=64)
+    p.input.Set(batch_size=FLAGS.batch, vocab_size=64, length=FLAGS.seq // 2)
+  elif family == 'amoebanet':
+    p = model_registry.GetParams('image.TinyAmoebaNetD', 'Train')
+    p.task.model.Set(num_layers=size, num_filters=FLAGS.filters,
+                     image_size=FLAGS.image)
+    p.input.Set(batch_size=FLAGS.batch, image_size=FLAGS.image)
+  else:
+    raise app.UsageError(f'--families: unknown family {family!r}; expected '
+                         f'one of {sorted(FAMILIES)}.')
+  p.task.train.optimizer.type = 'adam'
+  return p
 
 
-def CheckGpuPlan(num_gpus, gpu_memory_mb, num_cells, budget_mib,
-                 memory_source=''):
-  """The split of pipeline-K, or a ValueError naming --budget_mib/--num_cells.
+def NumCells(config):
+  return int(config.split('-')[1])
 
-  Pure (tfpipe.devices.PlanSplit), so the GPU mode's arguments are checked
-  the same way with or without a GPU.
-  """
-  from tfpipe import devices  # pylint: disable=g-import-not-at-top
-  try:
-    return devices.PlanSplit('GPU', num_gpus, num_cells,
-                             physical_memory_mb=gpu_memory_mb,
-                             memory_limit_mb=int(budget_mib),
-                             memory_source=memory_source,
-                             memory_name='--budget_mib')
-  except ValueError as e:
-    raise ValueError(f'pipeline-{num_cells} (--num_cells): {e}') from None
+
+# ---- one trial, in its own process ---------------------------------------------
 
 
 def _RunTrial():
-  """Child process: build, train two steps, print the peak as JSON."""
-  os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
-  # pylint: disable=g-import-not-at-top
-  from benchmarks import bench_lib
-  tf = bench_lib.tf
-  k = FLAGS.trial_cells
-  if FLAGS.device == 'gpu':
-    device_type, devices = bench_lib.LocalDevices(
-        max(k, 1), 'gpu', memory_limit_mb=int(FLAGS.budget_mib))
-    memory_names = [f'GPU:{i}' for i in range(max(k, 1))]
-  else:
-    device_type, devices = 'CPU', bench_lib.SplitCpu(max(k, 1))
-    memory_names = ['CPU:0']
+  """Trains two steps of one size; prints TRIAL {json}."""
+  if FLAGS.trial != 'naive-1':  # Its workers' servers serve on loopback.
+    network_namespace.EnterLoopbackNamespace('benchmarks.largest_model',
+                                             sys.argv)
+  from tfpipe import quiet  # pylint: disable=g-import-not-at-top
+  tf = quiet.ImportTensorFlow()
+  tf.get_logger().setLevel('ERROR')
+  from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  p = ExperimentParams(FLAGS.family, FLAGS.size)
+  batch = tf.nest.map_structure(tf.convert_to_tensor,
+                                memory_report.ExampleBatch(p))
+  result = {'params': p.task.model.Instantiate().NumParams()}
+  workers = None
   try:
-    step, variables = _TrialStep(bench_lib, devices)
-    for _ in range(2):
-      float(step())
+    if FLAGS.trial == 'naive-1':
+      _NaiveSteps(p, batch)
+      result['peaks'] = [tf.config.experimental.get_memory_info('CPU:0')[
+          'peak']]
+    else:
+      from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
+      k = NumCells(FLAGS.trial)
+      workers = capped_workers.CappedWorkers(
+          k, memory_mb=int(FLAGS.budget_mib), owner='largest_model')
+      workers.Connect()
+      p.task.pipeline.Set(
+          num_partitions=k, num_micro_batches=FLAGS.batch,
+          remat_policy='always', schedule='1f1b', executor='threads',
+          balance=[int(c) for c in FLAGS.layer_counts],
+          devices=workers.devices)
+      task = p.task.Instantiate()
+      for _ in range(2):
+        float(task.TrainStep(batch)['loss'])
+      result['peaks'] = workers.Peaks()
+    result['fits'] = True
   except Exception as e:  # pylint: disable=broad-except
-    if not IsOutOfMemory(e):
-      raise
-    # A logical GPU's hard limit was reached: this many layers do not fit.
-    print('TRIAL ' + json.dumps({'oom': True, 'device': device_type}))
-    return
-  params = sum(int(tf.size(v)) for v in variables)
-  peaks = [tf.config.experimental.get_memory_info(name)['peak']
-           for name in memory_names]
-  print('TRIAL ' + json.dumps({'peak': max(peaks), 'peaks': peaks,
-                               'params': params, 'device': device_type}))
+    records = out_of_memory.FindInError(e)
+    result.update(fits=False, out_of_memory=bool(
+        records or out_of_memory.IsOutOfMemoryError(e)),
+                  error=(records[0].device + ': ' + records[0].Describe()
+                         if records else f'{type(e).__name__}: '
+                         f'{str(e).splitlines()[0][:300]}'))
+  print('TRIAL ' + json.dumps(result), flush=True)
+  sys.stdout.flush()
+  if workers:
+    workers.Close()
+  os._exit(0)  # pylint: disable=protected-access
 
 
-def IsOutOfMemory(error):
-  """True if `error`, or an error it was raised from, is an allocation failure.
-
-  The threads executor re-raises a device thread's error as its cause.
-  """
+def _NaiveSteps(p, batch):
+  """Two plain Keras steps: the model's layers, clipping and Adam."""
+  import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, tf.errors.ResourceExhaustedError) or (
-        'RESOURCE_EXHAUSTED' in str(error) or 'OOM when allocating' in
-        str(error)):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
+  from tfpipe.trainer import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
+  model_builder = p.task.model.Instantiate()
+  model = keras.Sequential([
+      lp.Instantiate() for lp in task_lib.SeededLayerParams(
+          model_builder, p.task.random_seed)])
+  inputs, targets = batch
+  model(tf.nest.map_structure(lambda t: t[:1], inputs))
+  optimizer = optimizer_lib.BuildOptimizer(p.task.train.optimizer, 1e-4)
+  optimizer.build(model.trainable_variables)
+
+  @tf.function
+  def Step():
+    with tf.GradientTape() as tape:
+      loss = model_builder.Loss(model(inputs, training=True), targets)
+      loss = loss[0] if isinstance(loss, tuple) else loss
+    grads = tape.gradient(loss, model.trainable_variables)
+    grads, _ = optimizer_lib.ClipGradients(grads,
+                                           p.task.train.clip_gradient_norm)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+  for _ in range(2):
+    float(Step())
 
 
-def _TrialStep(bench_lib, devices):
-  """(step(), variables) of the trial's model on `devices`."""
-  tf = bench_lib.tf
-  k = FLAGS.trial_cells
-  layer_params, x = bench_lib.MakeModel('transformer', FLAGS.layers,
-                                        FLAGS.batch, seq=FLAGS.seq,
-                                        dim=FLAGS.dim, heads=FLAGS.heads)
-  if FLAGS.trial == 'naive':
-    with tf.device(devices[0]):
-      model = tf.keras.Sequential([p.Instantiate() for p in layer_params])
-      model(x[:1])
-    variables = model.trainable_variables
-    update = _Update(bench_lib, variables)
-
-    @tf.function
-    def Step():
-      with tf.GradientTape() as tape:
-        loss = bench_lib.Loss(model(x, training=True))
-      update(variables, tape.gradient(loss, variables))
-      return loss
-    return Step, variables
-  pipe = bench_lib.MakePipe(layer_params, k, FLAGS.num_micro_batches,
-                            devices, 'always',
-                            input_shape=(None,) + tuple(x.shape[1:]),
-                            executor=FLAGS.executor)
-  variables = pipe.trainable_variables
-  update = _Update(bench_lib, variables)
-  if pipe.ResolvedExecutor(x) == 'threads':
-    return bench_lib.PipeTrainStep(pipe, x, update), variables
-  step = bench_lib.PipeTrainStep(pipe, update=update)
-  return (lambda: step(x)), variables
-
-
-def _Update(bench_lib, variables):
-  """update(variables, gradients) for --optimizer."""
-  if FLAGS.optimizer == 'adam':
-    optimizer = bench_lib.Adam(variables)
-    return lambda unused_variables, gradients: optimizer.Apply(gradients)
-  return bench_lib.Sgd
-
-
-def _Trial(kind, layers, cells, device):
-  cmd = [sys.executable, '-m', 'benchmarks.largest_model', f'--trial={kind}',
-         f'--layers={layers}', f'--trial_cells={cells}',
-         f'--device={device}', f'--budget_mib={FLAGS.budget_mib}',
-         f'--num_micro_batches={FLAGS.num_micro_batches}',
-         f'--batch={FLAGS.batch}', f'--seq={FLAGS.seq}', f'--dim={FLAGS.dim}',
-         f'--heads={FLAGS.heads}', f'--optimizer={FLAGS.optimizer}',
-         f'--executor={FLAGS.executor}']
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+def Trial(config, family, size, layer_counts=None):
+  """Runs one trial in a subprocess; its TRIAL dict (fits False on failure)."""
+  cmd = [sys.executable, '-m', 'benchmarks.largest_model',
+         f'--trial={config}', f'--family={family}', f'--size={size}',
+         f'--budget_mib={FLAGS.budget_mib}', f'--batch={FLAGS.batch}',
+         f'--dim={FLAGS.dim}', f'--seq={FLAGS.seq}',
+         f'--filters={FLAGS.filters}', f'--image={FLAGS.image}']
+  if layer_counts:
+    cmd.append('--layer_counts=' + ','.join(map(str, layer_counts)))
+  env = memory_limit.CappedEnv(int(FLAGS.budget_mib) if config == 'naive-1'
+                               else None)
+  env['TF_CPP_MIN_LOG_LEVEL'] = '2'
+  start = time.time()
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          cwd=_REPO_ROOT,
-                          timeout=FLAGS.trial_timeout_s, check=False)
+                          cwd=_REPO_ROOT, timeout=FLAGS.trial_timeout_s,
+                          check=False)
   except subprocess.TimeoutExpired:
-    print(f'    {kind} K={cells} L={layers}: timed out (tracing, not memory)')
-    return {'timed_out': True}
+    return {'fits': False, 'error': 'timed out', 'timed_out': True,
+            'seconds': FLAGS.trial_timeout_s}
   for line in proc.stdout.splitlines():
     if line.startswith('TRIAL '):
-      return json.loads(line[len('TRIAL '):])
-  print(f'    {kind} K={cells} L={layers}: failed\n{proc.stderr[-2000:]}')
-  return None
+      result = json.loads(line[len('TRIAL '):])
+      result['seconds'] = round(time.time() - start, 1)
+      return result
+  return {'fits': False, 'error': (proc.stderr.strip().splitlines() or
+                                   ['no output'])[-1][:300],
+          'seconds': round(time.time() - start, 1)}
 
 
-def _Search(kind, cells, budget_bytes, start, device):
-  """Largest L in [1, max_layers] whose peak fits.
-
-  Returns (L, trial, log, lower_bound); lower_bound is True when a trial
-  timed out, so L is only the largest size known to fit.
-  """
-  log = []
-
-  def Fits(layers):
-    res = _Trial(kind, layers, cells, device)
-    if res is not None and res.get('timed_out'):
-      raise _TimedOut(layers)
-    ok = (res is not None and not res.get('oom') and
-          res['peak'] <= budget_bytes)
-    log.append({'layers': layers, 'fits': ok, **(res or {})})
-    peak = (f'{res["peak"] / _MIB:.1f} MiB' if res and 'peak' in res else
-            'out of memory' if res else '-')
-    print(f'    L={layers:4d}: peak {peak}  {"fits" if ok else "too big"}')
-    return ok, res
-
-  try:
-    good, good_res = _Grow(Fits, max(start, cells))
-  except _TimedOut as e:
-    fitting = [t for t in log if t['fits']]
-    best = max(fitting, key=lambda t: t['layers']) if fitting else None
-    good = best['layers'] if best else 0
-    print(f'    stopped: L={e.layers} timed out; {good} is a lower bound')
-    return good, best, log, True
-  return good, good_res, log, False
+# ---- the memory model's seed ----------------------------------------------------
 
 
-class _TimedOut(Exception):
+class Predictor:
+  """The memory model's largest size per configuration, from layer
+  profiles (one profiled step per distinct layer, shared by all sizes)."""
 
-  def __init__(self, layers):
-    super().__init__(f'trial with {layers} layers timed out')
-    self.layers = layers
+  def __init__(self, family, log):
+    self.family = family
+    self.log = log
+    self._profiles = {}  # layer signature -> CellProfile
+
+  def _LayerProfiles(self, p):
+    """gpipe.planner.LayerProfiles of the model of params p."""
+    from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
+    from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+    from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+    cells = memory_report.LayerCells(p)
+    model = p.task.model.Instantiate()
+    shapes = memory_report.CellInputShapes(cells, model.InputShape())
+    keys = [memory_profile.CellSignature(c, s, k == len(cells) - 1)
+            for k, (c, s) in enumerate(zip(cells, shapes))]
+    missing = [k for k, key in enumerate(keys) if key not in self._profiles]
+    if missing:
+      start = time.time()
+      request = memory_report.ProfileRequest(
+          p, cells=cells, micro_batch_sizes=[1, FLAGS.batch])
+      request.Select(missing)  # Only the layers not profiled yet.
+      profiles = memory_profile.ProfileCells(request)
+      for k, profile in zip(missing, profiles):
+        self._profiles[keys[k]] = profile
+      self.log(f'  profiled {len(missing)} new layer(s) in '
+               f'{time.time() - start:.0f}s')
+    profiles = [self._profiles[key] for key in keys]
+    return planner.LayerProfiles(profiles, profiles[-1])
+
+  def Peaks(self, config, size):
+    """(predicted per-device peaks, layer counts) of one size."""
+    from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
+    from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+    p = ExperimentParams(self.family, size)
+    layers = self._LayerProfiles(p)
+    if config == 'naive-1':
+      step = memory_model.StepConfig('gpipe', 1, FLAGS.batch, 'never')
+      cell = layers.Range(0, len(layers), FLAGS.batch)
+      peak = memory_model.WalkDevice(memory_model.MakeSchedule(step, 1), 0,
+                                     lambda k, n: cell, step)
+      # Plain Keras keeps no gradient accumulators.
+      return [peak.peak_bytes - peak.accumulator_bytes], [len(layers)], [peak]
+    step = memory_model.StepConfig('1f1b', FLAGS.batch, FLAGS.batch, 'always')
+    found = planner.MemoryBalancedCut(layers, NumCells(config), step)
+    if found is None:
+      return None, None, None
+    counts, _, peaks = found
+    return [p.peak_bytes for p in peaks], counts, peaks
+
+  def Largest(self, config, start):
+    """The largest size predicted to fit (galloping, then bisecting)."""
+    step, smallest, _ = FAMILIES[self.family]
+    budget = FLAGS.budget_mib * MIB
+    limit = FLAGS.max_size
+
+    def Fits(size):
+      peaks, _, _ = self.Peaks(config, size)
+      return peaks is not None and max(peaks) <= budget
+    # The smallest model with at least one layer per cell.
+    while smallest <= limit and self.Peaks(config, smallest)[0] is None:
+      smallest += step
+    if smallest > limit or not Fits(smallest):
+      return 0
+    good, size = smallest, max(smallest, start)
+    while size <= limit and Fits(size):
+      good, size = size, size * 2 - (size * 2) % step
+    bad = min(size, limit + step)
+    while bad - good > step:
+      mid = good + ((bad - good) // 2) // step * step
+      if Fits(mid):
+        good = mid
+      else:
+        bad = mid
+    return good
 
 
-def _Grow(fits, start):
-  """Doubles from `start` until a trial fails, then bisects."""
-  good, good_res, bad = 0, None, None
-  layers = max(1, start)
-  while layers <= FLAGS.max_layers:
-    ok, res = fits(layers)
-    if not ok:
-      bad = layers
-      break
-    good, good_res = layers, res
-    layers *= 2
-  if bad is None:
-    bad = FLAGS.max_layers + 1
-  while bad - good > 1:
-    mid = (good + bad) // 2
-    ok, res = fits(mid)
-    if ok:
-      good, good_res = mid, res
-    else:
-      bad = mid
-  return good, good_res
+# ---- the search ---------------------------------------------------------------
 
 
-def _ChooseDevice():
-  """'cpu' or 'gpu' for --device, with the GPU mode's arguments checked.
+def Search(family, config, predictor, start, log):
+  """The largest size that trains, from the prediction; its trials."""
+  step, smallest, _ = FAMILIES[family]
+  predicted = predictor.Largest(config, start)
+  log(f'{family} {config}: the memory model predicts {predicted} fits')
+  trials = {}
 
-  Call after bench_lib is imported (it imports TensorFlow quietly).
-  """
-  from tfpipe import devices  # pylint: disable=g-import-not-at-top
-  try:
-    device_type = devices.ChooseDeviceType(FLAGS.device, flag='--device')
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  ResolveDefaults(FLAGS, device_type)
-  if device_type == 'GPU':
-    gpus = devices.VisibleGpus()
-    memory, source = devices.GpuMemoryMb(gpus)
-    try:
-      CheckGpuPlan(len(gpus), memory, FLAGS.num_cells, FLAGS.budget_mib,
-                   source)
-    except ValueError as e:
-      raise app.UsageError(str(e)) from None
-  return device_type.lower()
+  def Run(size):
+    _, counts, _ = predictor.Peaks(config, size)
+    result = Trial(config, family, size, counts)
+    trials[size] = result
+    peaks = ' '.join(f'{v / MIB:.1f}' for v in result.get('peaks', []))
+    log(f'  size {size}: {"fits" if result["fits"] else "does not fit"} '
+        f'({result["seconds"]:.0f}s) {peaks + " MiB" if peaks else ""}'
+        f'{"" if result["fits"] else " " + result.get("error", "")}')
+    return result['fits']
+
+  def TimedOut():
+    return any(t.get('timed_out') for t in trials.values())
+
+  # A trial that times out says nothing about memory: the search stops
+  # there, and the largest size that fitted is a lower bound.
+  size = max(predicted, smallest)
+  if Run(size):
+    while (len(trials) < FLAGS.max_trials and not TimedOut() and
+           Run(size + step)):
+      size += step
+    return size, trials, predicted
+  while (len(trials) < FLAGS.max_trials and size > smallest and
+         not TimedOut()):
+    size -= step
+    if Run(size):
+      return size, trials, predicted
+  return 0, trials, predicted
 
 
 def main(argv):
@@ -317,59 +350,77 @@ def main(argv):
   if FLAGS.trial:
     _RunTrial()
     return
-  # pylint: disable=g-import-not-at-top
-  from benchmarks import bench_lib
-  device = _ChooseDevice()
-  k, m = FLAGS.num_cells, FLAGS.num_micro_batches
-  budget = FLAGS.budget_mib * _MIB
-  # On logical CPU devices the peak is a total over one shared allocator;
-  # each logical GPU has its own, so its budget is per device.
-  pipeline_k_limit = k * budget if device == 'cpu' else budget
-  configs = [('naive', 'naive-1', 1, budget),
-             ('pipeline', 'pipeline-1', 1, budget),
-             ('pipeline', f'pipeline-{k}', k, pipeline_k_limit)]
-  paper = {'naive-1': '3 layers / 82M', 'pipeline-1': '13 layers / 318M',
-           f'pipeline-{k}': ('103 layers (pipeline-8) / 1.05B (AmoebaNet '
-                             'pipeline-4)')}
-  results, start = [], 1
-  for kind, name, cells, limit in configs:
-    print(f'{name}: budget {limit / _MIB:.0f} MiB '
-          f'{"total" if device == "cpu" else "per device"}')
-    # K cells hold about K times the layers of one: start the search there.
-    layers, res, log, lower_bound = _Search(kind, cells, limit, start * cells,
-                                            device)
-    start = max(1, layers)
-    results.append({'config': name, 'layers': layers,
-                    'lower_bound': lower_bound,
-                    'params': res['params'] if res else 0,
-                    'peak_bytes': res.get('peak') if res else None,
-                    'peak_bytes_per_device': res.get('peaks') if res else None,
-                    'budget_bytes': limit, 'trials': log})
-  base = results[0]
+  network_namespace.EnterLoopbackNamespace('benchmarks.largest_model',
+                                           sys.argv)
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.WARNING)
+  from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
+  bench_lib.tf.get_logger().setLevel('ERROR')
+  start = time.time()
+  results = []
+
+  def Log(line):
+    print(line, flush=True)
+  for family in FLAGS.families:
+    predictor = Predictor(family, Log)
+    previous = FAMILIES[family][1]
+    for config in FLAGS.configs:
+      size, trials, predicted = Search(family, config, predictor, previous,
+                                       Log)
+      previous = max(previous, size)
+      fitting = trials.get(size, {})
+      _, counts, peaks = predictor.Peaks(config, size) if size else (
+          None, None, None)
+      results.append({
+          'family': family, 'config': config, 'size': size,
+          'predicted_size': predicted, 'params': fitting.get('params', 0),
+          'measured_peaks_mib': [round(v / MIB, 2)
+                                 for v in fitting.get('peaks', [])],
+          'predicted_peaks_mib': [round(p.peak_bytes / MIB, 2)
+                                  for p in peaks or []],
+          'where': [p.Describe() for p in peaks or []],
+          'layer_counts': counts, 'trials': trials})
+  _Report(results, bench_lib, time.time() - start)
+  sys.stdout.flush()
+  os._exit(0)  # pylint: disable=protected-access
+
+
+def _Report(results, bench_lib, seconds):
+  print(f'\nLargest model that trains one step, every device capped at '
+        f'{FLAGS.budget_mib:.0f} MiB (worker processes with their own '
+        f'allocator), batch {FLAGS.batch}, Adam; {seconds / 60:.1f} min')
   rows = []
-  for r in results:
-    growth = r['params'] / base['params'] if base['params'] else float('nan')
-    rows.append([r['config'],
-                 f'>={r["layers"]}' if r['lower_bound'] else r['layers'],
-                 f'{r["params"] / 1e6:.2f}M',
-                 (r['peak_bytes'] or 0) / _MIB, growth, paper[r['config']]])
-  how = ('BFC peak, total over logical devices compared with K x budget'
-         if device == 'cpu' else
-         'each logical GPU\'s hard limit; a trial fits if two steps run '
-         'without running out of memory')
-  print(f'\nTransformer dim={FLAGS.dim}, hidden={4 * FLAGS.dim}, heads='
-        f'{FLAGS.heads}, seq={FLAGS.seq}, batch={FLAGS.batch}, M={m}, '
-        f'{FLAGS.optimizer}, executor={FLAGS.executor}, on {device.upper()}; '
-        f'budget {FLAGS.budget_mib:.0f} MiB per device ({how})')
+  for family in FLAGS.families:
+    mine = [r for r in results if r['family'] == family]
+    base = next((r for r in mine if r['config'] == 'naive-1'), mine[0])
+    for r in mine:
+      growth = r['params'] / base['params'] if base['params'] else 0.0
+      size_growth = r['size'] / base['size'] if base['size'] else 0.0
+      # No larger size was seen to fail: the answer is a lower bound.
+      bound = not any(not t['fits'] and int(size) > r['size']
+                      for size, t in r['trials'].items())
+      rows.append([family, r['config'],
+                   f'>={r["size"]}' if bound else r['size'],
+                   r['predicted_size'],
+                   f'{r["params"] / 1e6:.2f}M', f'{growth:.1f}x',
+                   f'{size_growth:.1f}x',
+                   ' '.join(f'{v:.1f}' for v in r['measured_peaks_mib']),
+                   FAMILIES[family][2].get(r['config'], '-')])
   print(bench_lib.FormatTable(
-      ['config', 'layers', 'params', 'peak MiB', 'params x naive',
-       'GPipe Table 1'], rows))
-  print('GPipe growth factors: AmoebaNet params 1 : 3.9 : 12.8 (1.05B, '
-        'pipeline-4) : 22 (1.8B, pipeline-8); Transformer layers 3 : 13 : '
-        '103 (pipeline-8).')
+      ['model', 'config', 'size', 'predicted', 'params', 'params x naive',
+       'size x naive', 'measured peak MiB per device', 'GPipe Table 1'],
+      rows))
+  for r in results:
+    if r['config'] == FLAGS.configs[-1] and r['where']:
+      print(f'{r["family"]} {r["config"]} at size {r["size"]}: where the '
+            'memory goes (memory model, per device):')
+      for d, line in enumerate(r['where']):
+        print(f'  device {d}: {line}')
   bench_lib.WriteJson(FLAGS.output_json, {
-      'benchmark': 'largest_model', 'device': device,
-      'flags': FLAGS.flag_values_dict(), 'results': results})
+      'benchmark': 'largest_model', 'results': results,
+      'flags': {name: FLAGS[name].value for name in (
+          'budget_mib', 'families', 'configs', 'batch', 'dim', 'seq',
+          'filters', 'image')}})
 
 
 if __name__ == '__main__':

@@ -22,6 +22,12 @@ the launcher itself is killed. The launcher exits with the controller's
 status, 128 + the signal's number after a signal, or nonzero if a worker
 failed to start or the controller did not stop after losing a worker.
 
+With --device_memory_mb=N each worker's allocator is capped at N MiB (in
+its environment only; tfpipe.memory_limit): the CPU stand-in for
+accelerators of N MiB, each with its own memory, and --intra_op_threads
+gives each its own op threads. The controller gets N as its budget
+(--plan=auto, out-of-memory errors).
+
 Its children hide TensorFlow's C++ start-up log (tfpipe.quiet); the
 launcher's --verbosity=1 is passed on to the workers and, unless the
 controller's arguments set their own, to the controller, and shows it.
@@ -53,6 +59,12 @@ flags.DEFINE_float('grace_s', 45.0,
                    'exited before the launcher kills it.')
 flags.DEFINE_float('timeout_s', 0.0,
                    'Kill the job after this many seconds; 0: no limit.')
+flags.DEFINE_integer('device_memory_mb', None,
+                     'Each worker\'s hard memory limit in MiB: its '
+                     'allocator fails past it, as an accelerator of that '
+                     'size does (the CPU stand-in for one; the trainer '
+                     'also gets it as its budget). Default: no limit.',
+                     lower_bound=1)
 
 FLAGS = flags.FLAGS
 
@@ -73,6 +85,34 @@ def VerbosityArgs(controller_args=()):
   return [f'--verbosity={FLAGS.verbosity}']
 
 
+def WorkerEnvironment():
+  """The workers' environment: with --device_memory_mb, each one's own
+  allocator capped at that many MiB (tfpipe.memory_limit); only theirs."""
+  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
+  if FLAGS.device_memory_mb is None:
+    return None
+  return memory_limit.CappedEnv(FLAGS.device_memory_mb)
+
+
+def DeviceArgs(controller_args=()):
+  """Flags of the devices' shape that workers and the controller share."""
+  args = [f'--devices_per_worker={FLAGS.devices_per_worker}']
+  given = ' '.join(controller_args)
+  if FLAGS.intra_op_threads and '--intra_op_threads' not in given:
+    args.append(f'--intra_op_threads={FLAGS.intra_op_threads}')
+  return args
+
+
+def ControllerMemoryArgs(controller_args):
+  """--device_memory_mb for the trainer: the budget its plans and errors
+  use, unless its own arguments set one."""
+  if (FLAGS.device_memory_mb is None or
+      FLAGS.controller_module != 'tfpipe.trainer' or
+      any(a.startswith('--device_memory_mb') for a in controller_args)):
+    return []
+  return [f'--device_memory_mb={FLAGS.device_memory_mb}']
+
+
 def Launch(controller_args):
   """Starts the workers, then the controller; returns the exit status."""
   num_workers = FLAGS.num_workers
@@ -90,15 +130,19 @@ def Launch(controller_args):
         children, jobs, lambda i: [
             sys.executable, '-m', 'tfpipe.multihost',
             f'--job={cluster_spec.WORKER_JOB}', f'--task={i}',
-            f'--cluster_spec={spec_text}',
-            f'--devices_per_worker={FLAGS.devices_per_worker}',
+            f'--cluster_spec={spec_text}', *DeviceArgs(),
             *VerbosityArgs()],
         FLAGS.startup_timeout_s,
-        hint='See its log above; --startup_timeout_s sets the wait.')
+        hint='See its log above; --startup_timeout_s sets the wait.',
+        env=WorkerEnvironment())
+    if FLAGS.device_memory_mb:
+      print(f'launcher: {num_workers} worker(s), each an emulated '
+            f'accelerator of {FLAGS.device_memory_mb} MiB (its own capped '
+            'allocator).', flush=True)
     controller = children.Start('controller', [
         sys.executable, '-m', FLAGS.controller_module,
         f'--job={cluster_spec.CONTROLLER_JOB}', f'--cluster_spec={spec_text}',
-        f'--devices_per_worker={FLAGS.devices_per_worker}',
+        *DeviceArgs(controller_args), *ControllerMemoryArgs(controller_args),
         *VerbosityArgs(controller_args)] + list(controller_args))
     return _Supervise(controller, workers)
   finally:

@@ -68,6 +68,10 @@ def DefineFlags(controller_flags=True):
       'one); pass 0.0.0.0 to serve on the network on purpose.')
   flags.DEFINE_integer('devices_per_worker', 1,
                        'CPU devices each worker exposes.')
+  flags.DEFINE_integer('intra_op_threads', 0,
+                       'Threads one op may use in each worker (0: '
+                       'TensorFlow\'s default); an emulated accelerator has '
+                       'its own.', lower_bound=0)
   if controller_flags:
     flags.DEFINE_float('watchdog_interval_s', 2.0,
                        'Seconds between liveness probes of each worker.')
@@ -130,8 +134,10 @@ def MaybeServe(flag_values):
     if resolved is None or resolved[1] == cluster_spec.CONTROLLER_JOB:
       return False
     spec, job, task = resolved
+    threads = getattr(flag_values, 'intra_op_threads', 0)
     servers.Serve(spec, job, task, flag_values.bind_address,
-                  flag_values.devices_per_worker, why=note)
+                  flag_values.devices_per_worker, why=note,
+                  **({'intra_op_threads': threads} if threads else {}))
   return True
 
 
@@ -194,6 +200,8 @@ def SetUpController(flag_values, params):
     except BaseException:
       controller.watchdog.Stop()
       raise
+  from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
+  out_of_memory.ClearWorkerReports(workers)
   devices = device_names.PipelineDevices(
       pipeline.num_partitions, len(workers), num_replicas,
       devices_per_worker=flag_values.devices_per_worker)
@@ -315,8 +323,14 @@ def _WorkerMain(argv):
   from tfpipe import quiet  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}.')
+  from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
   verbosity = (flags.FLAGS.verbosity if flags.FLAGS['verbosity'].present
                else None)
+  # Before TensorFlow starts: its out-of-memory records are warnings, which
+  # the worker reports for its controller to ask for.
+  out_of_memory.StartWorkerReport(
+      flags.FLAGS.job, flags.FLAGS.task, flags.FLAGS.cluster_spec,
+      quiet.ShowStartupLog(verbosity))
   quiet.ImportTensorFlow(quiet.ShowStartupLog(verbosity))
   try:
     if not MaybeServe(flags.FLAGS):

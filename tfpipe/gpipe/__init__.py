@@ -19,6 +19,10 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
     'cell': ['FeatureExtractionLayer'],
     'cell_devices': ['DefaultDevices', 'ResolveDevices'],
     'dispatch': [],
+    'memory_model': ['CellMemory', 'CellProfile', 'PredictPeaks',
+                     'StepConfig'],
+    'memory_profile': ['ProfileCells', 'ProfileInSubprocess',
+                       'ProfileRequest'],
     'microbatch': [],
     'partition': [
         'BlockPartition',
@@ -26,6 +30,9 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
         'PartitionSequentialLayers',
     ],
     'pipelining_layer': ['PipeliningLayer'],
+    'planner': ['CandidatePlans', 'Devices', 'LayerProfiles',
+                'MemoryBalancedCut', 'NoPlanError', 'PipelinePlan',
+                'PlanPipeline'],
     'reference': ['UnpipelinedReference'],
     'runtime': ['REMAT_POLICIES'],
     'schedule': [

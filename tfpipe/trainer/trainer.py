@@ -30,6 +30,7 @@ from tfpipe import devices
 from tfpipe import multihost
 from tfpipe import quiet
 from tfpipe.trainer import logdir_lock
+from tfpipe.trainer import memory_budget
 
 MODES = ('train', 'eval', 'inspect_params', 'inspect_model', 'list_models')
 
@@ -107,6 +108,7 @@ flags.DEFINE_boolean('allow_params_change', False,
                      'training (not only in pipeline layout or run length).')
 
 multihost.DefineFlags()
+memory_budget.DefineFlags()
 
 FLAGS = flags.FLAGS
 
@@ -294,6 +296,21 @@ def CheckInputs(p, mode):
     raise app.UsageError(_Message(e)) from None
 
 
+def PlanIfAsked(p):
+  """--plan=auto: chooses the pipeline for --device_memory_mb (or says that
+  nothing fits, with exit status EXIT_OUT_OF_MEMORY)."""
+  from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import out_of_memory  # pylint: disable=g-import-not-at-top
+  try:
+    memory_budget.PlanIfAsked(p, FLAGS)
+  except planner.NoPlanError as e:
+    print(f'ERROR: {e} Nothing was run.', file=sys.stderr, flush=True)
+    return out_of_memory.EXIT_OUT_OF_MEMORY
+  except ValueError as e:
+    raise app.UsageError(_Message(e)) from None
+  return 0
+
+
 def InspectModel(p, cells=None):
   """A table of the cells: layers, device, parameter count and cost."""
   from tfpipe.trainer import model_inspect  # pylint: disable=g-import-not-at-top
@@ -318,6 +335,15 @@ def main(argv):
     # progress lines; --verbosity=0 brings them back.
     logging.set_verbosity(logging.WARNING)
   show_startup_log = quiet.ShowStartupLog(verbosity)
+  # Before TensorFlow starts: its out-of-memory records are warnings.
+  watch = memory_budget.WatchThisProcess(FLAGS, show_startup_log)
+  try:
+    return _Main(show_startup_log, watch)
+  finally:
+    watch.Stop()
+
+
+def _Main(show_startup_log, watch):
   quiet.ImportTensorFlow(show_startup_log)
   if FLAGS.mode == 'list_models':
     print(ListModels())
@@ -337,9 +363,12 @@ def main(argv):
   if FLAGS.mode in ('train', 'eval') and not FLAGS.logdir:
     raise app.UsageError(f'--logdir is required for --mode={FLAGS.mode}; '
                          'e.g. --logdir=/tmp/tfpipe_lm.')
+  status = PlanIfAsked(p)
+  if status:
+    return status
   CheckPartition(p, cost_models=False)
   with quiet.QuietStderr(show_startup_log):
-    ConfigureDevices(p)
+    split = ConfigureDevices(p)
   # After the devices: a layer without its own FPropMeta is costed by
   # instantiating it, which starts TensorFlow. Still before the logdir is
   # touched: a run refused for its params leaves nothing behind.
@@ -353,24 +382,34 @@ def main(argv):
     controller = multihost.SetUpController(FLAGS, p)
   except (ValueError, RuntimeError, TimeoutError) as e:
     raise app.UsageError(_Message(e)) from None
-  CheckDevices(p)
+  devices_used = CheckDevices(p)
   if FLAGS.mode == 'inspect_model':
     print(InspectModel(p, cells))
+    for line in memory_budget.InspectLines(p, FLAGS, devices_used):
+      print(line)
     return 0
   CheckInputs(p, FLAGS.mode)
 
+  from tfpipe.trainer import out_of_memory  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import train_loop  # pylint: disable=g-import-not-at-top
+  trainers = []
+  diagnosis = memory_budget.Diagnosis(
+      p, FLAGS, devices_used, controller, watch, split,
+      last_good=lambda: out_of_memory.LastGood(
+          trainers[0].manager.latest_checkpoint if trainers else None,
+          os.path.join(FLAGS.logdir, train_loop.CHECKPOINT_DIR)))
   try:
-    trainer = train_loop.Trainer(
-        p, FLAGS.logdir, nan_policy=FLAGS.nan_policy,
-        max_nan_skips=FLAGS.max_nan_skips,
-        allow_params_change=FLAGS.allow_params_change)
-  except ValueError as e:  # A layer refused its params as it was built.
-    raise app.UsageError(
-        f'task of --model={FLAGS.model}: {_Message(e)}') from None
-  if controller:
-    controller.UseControllerIo(trainer)
-  try:
+    try:
+      trainer = train_loop.Trainer(
+          p, FLAGS.logdir, nan_policy=FLAGS.nan_policy,
+          max_nan_skips=FLAGS.max_nan_skips,
+          allow_params_change=FLAGS.allow_params_change)
+    except ValueError as e:  # A layer refused its params as it was built.
+      raise app.UsageError(
+          f'task of --model={FLAGS.model}: {_Message(e)}') from None
+    trainers.append(trainer)
+    if controller:
+      controller.UseControllerIo(trainer)
     if FLAGS.mode == 'eval':
       if not trainer.RestoreForEvaluation():
         raise app.UsageError(f'--mode=eval: no checkpoint in {FLAGS.logdir}; '
@@ -387,13 +426,20 @@ def main(argv):
       sys.stdout.flush()
       os._exit(0)  # pylint: disable=protected-access
     trainer.Train()
-  except train_loop.STOP_ERRORS as e:
-    print(f'ERROR: {e}', file=sys.stderr, flush=True)
+  except app.UsageError:
+    raise
+  except Exception as error:  # pylint: disable=broad-except
+    stop = (error if isinstance(error, train_loop.STOP_ERRORS) else
+            diagnosis.Check(error))
+    if stop is None:
+      raise
+    print(f'ERROR: {stop}', file=sys.stderr, flush=True)
+    status = getattr(stop, 'exit_status', 1)
     if controller:
       # Tearing down a cluster context can hang; nothing is left to save.
       sys.stdout.flush()
-      os._exit(1)  # pylint: disable=protected-access
-    return 1
+      os._exit(status)  # pylint: disable=protected-access
+    return status
   sys.stdout.flush()
   return 0
 

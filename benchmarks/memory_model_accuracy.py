@@ -1,0 +1,230 @@
+r"""The memory model against each device's measured peak, over a grid.
+
+Why: the planner and `--mode=inspect_model` say whether a configuration
+fits before it runs; that is only worth something if the predicted peak of
+every device is close to what its allocator really reaches. Issue 20's bar:
+within 15%.
+
+How: K worker processes (benchmarks.capped_workers), each one device with
+its own BFC allocator, run the trainer's real step (tfpipe.trainer.task:
+the pipelined forward and backward, global-norm clipping and Adam), with
+this process as their controller. Each configuration gets fresh workers
+(one that ran other configurations first peaks a few percent higher every
+time: TensorFlow's runtime keeps some of each). One step traces and warms
+up; then each worker's peak is reset, two steps run, and each worker's
+peak is read. The prediction comes from gpipe.memory_model, fed by
+one profiled step per distinct cell (gpipe.memory_profile) at the smallest
+and the largest micro-batch size of the grid; sizes in between are
+interpolated, as the planner does.
+
+The grid: a Transformer LM, AmoebaNet-D and an MLP; K in {1, 2, 4}; M in
+{1, 4, 8}; remat_policy always, except_last and never; schedules gpipe and
+1f1b.
+
+    python -m benchmarks.memory_model_accuracy --output_json=/tmp/bench/memory_model_accuracy.json
+
+The engine decides what a forward keeps; this benchmark is the check to
+re-run after changing it (nothing in the model is fitted to it).
+"""
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+
+os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+
+from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
+from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list('models', ['transformer_lm', 'amoebanet', 'mlp'],
+                  'Models of the grid (keys of MODELS).')
+flags.DEFINE_list('num_cells', ['1', '2', '4'], 'K values.')
+flags.DEFINE_list('micro_batches', ['1', '4', '8'], 'M values.')
+flags.DEFINE_list('remat_policies', ['always', 'except_last', 'never'],
+                  'Remat policies.')
+flags.DEFINE_list('schedules', ['gpipe', '1f1b'], 'Schedules.')
+flags.DEFINE_integer('measured_steps', 2, 'Steps whose peak is measured, '
+                     'after one warm-up step.')
+flags.DEFINE_float('tolerance', 0.15, 'The bar: |predicted/measured - 1|.')
+flags.DEFINE_integer('total_timeout_s', 5400, 'Watchdog for the whole run.')
+flags.DEFINE_string('output_json', None, 'Where to write the results.')
+
+MIB = 2.0**20
+
+# name: (registered experiment, params overrides). Small enough to run the
+# whole grid on 2 cores; each has at least 4 layers to cut.
+MODELS = {
+    'transformer_lm': ('lm.SmallTransformerLm', {}),
+    'amoebanet': ('image.TinyAmoebaNetD', {'task.model.num_filters': 32}),
+    'mlp': ('mlp.SmallMlp', {'task.model.hidden_dim': 1024,
+                             'task.model.num_hidden_layers': 6}),
+}
+
+
+def ExperimentParams(model):
+  from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
+  name, overrides = MODELS[model]
+  p = model_registry.GetParams(name, 'Train')
+  p.Set(**overrides)
+  return p
+
+
+def _Measure(p, workers, batch, num_cells):
+  """Each worker's peak over the measured steps, on `workers` (fresh)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  workers.WaitUntilServing()
+  # Functions of the previous configuration (or of profiling) are removed
+  # from the context when collected; collect them before the context is
+  # rebuilt for new workers (TensorFlow fails on a removal in between).
+  gc.collect()
+  workers.Connect()
+  p = p.Copy()
+  p.task.pipeline.devices = workers.devices
+  task = p.task.Instantiate()
+  inputs, targets = tf.nest.map_structure(tf.convert_to_tensor, batch)
+  float(task.TrainStep((inputs, targets))['loss'])
+  workers.Reset()
+  for _ in range(FLAGS.measured_steps):
+    float(task.TrainStep((inputs, targets))['loss'])
+  peaks = workers.Peaks()[:num_cells]
+  del task
+  gc.collect()
+  return peaks
+
+
+def _Configurations(model):
+  base = ExperimentParams(model)
+  for k in [int(k) for k in FLAGS.num_cells]:
+    for schedule in FLAGS.schedules:
+      for remat in FLAGS.remat_policies:
+        for m in [int(m) for m in FLAGS.micro_batches]:
+          p = base.Copy()
+          p.task.pipeline.Set(num_partitions=k, num_micro_batches=m,
+                              schedule=schedule, remat_policy=remat)
+          yield p
+
+
+def RunModel(model, rows, log):
+  """Profiles each K's cells once, then measures every configuration, each
+  on fresh workers: a worker that ran other configurations before peaks
+  higher (TensorFlow's runtime keeps some of each), which a real run, one
+  configuration per worker, never sees. The next configuration's workers
+  start while one is measured."""
+  from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  base = ExperimentParams(model)
+  example = memory_report.ExampleBatch(base)
+  batch = memory_report.ReplicaBatchSize(base)
+  micro = [int(m) for m in FLAGS.micro_batches]
+  sizes = sorted({min(memory_model.MicroBatchSizes(batch, m))
+                  for m in (max(micro), min(micro))})
+  profiles = {}
+  configurations = list(_Configurations(model))
+  pending = None
+  try:
+    for i, p in enumerate(configurations):
+      pending = _RunOne(model, i, p, configurations, pending, profiles, sizes,
+                        example, rows, log)
+  finally:
+    if pending:
+      pending.Close()
+
+
+def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
+            rows, log):
+  """Measures configuration i; returns the next one's workers (started)."""
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  k = p.task.pipeline.num_partitions
+  if k not in profiles:
+    start = time.time()
+    profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
+        p, micro_batch_sizes=sizes, example=example))
+    log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
+        f'in {time.time() - start:.0f}s')
+  workers = pending or capped_workers.CappedWorkers(
+      k, owner='memory_model_accuracy', wait=False)
+  pending = None
+  if i + 1 < len(configurations):
+    pending = capped_workers.CappedWorkers(
+        configurations[i + 1].task.pipeline.num_partitions,
+        owner='memory_model_accuracy', wait=False)
+  start = time.time()
+  try:
+    measured = _Measure(p, workers, example, k)
+  finally:
+    workers.Close()
+  predicted = [d.peak_bytes for d in memory_report.PredictPeaks(
+      p, profiles[k], example)]
+  errors = [pr / me - 1 for pr, me in zip(predicted, measured)]
+  pp = p.task.pipeline
+  row = {'model': model, 'num_cells': k,
+         'num_micro_batches': pp.num_micro_batches,
+         'schedule': pp.schedule, 'remat_policy': pp.remat_policy,
+         'measured_mib': [round(v / MIB, 2) for v in measured],
+         'predicted_mib': [round(v / MIB, 2) for v in predicted],
+         'worst_error': max(errors, key=abs),
+         'seconds': round(time.time() - start, 1)}
+  rows.append(row)
+  log(_FormatRow(row))
+  return pending
+
+
+def _FormatRow(row):
+  measured = ' '.join(f'{v:6.1f}' for v in row['measured_mib'])
+  predicted = ' '.join(f'{v:6.1f}' for v in row['predicted_mib'])
+  flag = '' if abs(row['worst_error']) <= FLAGS.tolerance else '  <-- outside'
+  return (f"| {row['model']:<14} | {row['num_cells']} | "
+          f"{row['num_micro_batches']} | {row['schedule']:<5} | "
+          f"{row['remat_policy']:<11} | {measured:<27} | {predicted:<27} | "
+          f"{100 * row['worst_error']:+6.1f}% |{flag}")
+
+
+def main(argv):
+  del argv
+  network_namespace.EnterLoopbackNamespace('benchmarks.memory_model_accuracy',
+                                           sys.argv)
+  watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (
+      print('watchdog: run too long; stopping.', flush=True),
+      os._exit(3)))  # pylint: disable=protected-access
+  watchdog.daemon = True
+  watchdog.start()
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.WARNING)
+  from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
+  bench_lib.tf.get_logger().setLevel('ERROR')
+  start = time.time()
+  rows = []
+  print('| model          | K | M | sched | remat       | measured MiB per '
+        'device     | predicted MiB per device    | worst  |')
+  print('|----------------|---|---|-------|-------------|----------------'
+        '------------|-----------------------------|--------|')
+  for model in FLAGS.models:
+    RunModel(model, rows, lambda line: print(line, flush=True))
+  within = [r for r in rows if abs(r['worst_error']) <= FLAGS.tolerance]
+  worst = max(rows, key=lambda r: abs(r['worst_error']))
+  print(f'{len(within)} of {len(rows)} configurations within '
+        f'{100 * FLAGS.tolerance:.0f}% on every device; worst '
+        f'{100 * worst["worst_error"]:+.1f}% ({worst["model"]} '
+        f'K={worst["num_cells"]} M={worst["num_micro_batches"]} '
+        f'{worst["schedule"]} {worst["remat_policy"]}); '
+        f'{time.time() - start:.0f} s')
+  bench_lib.WriteJson(FLAGS.output_json, {
+      'benchmark': 'memory_model_accuracy', 'rows': rows,
+      'models': {m: list(MODELS[m]) for m in FLAGS.models},
+      'flags': {name: FLAGS[name].value for name in (
+          'models', 'num_cells', 'micro_batches', 'remat_policies',
+          'schedules', 'measured_steps', 'tolerance')}})
+  sys.stdout.flush()
+  watchdog.cancel()
+  os._exit(0)  # pylint: disable=protected-access
+
+
+if __name__ == '__main__':
+  app.run(main)

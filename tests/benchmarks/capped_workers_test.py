@@ -1,0 +1,68 @@
+"""Emulated accelerators (benchmarks/capped_workers.py): one capped worker
+process per device.
+
+Protected properties: an allocation past a worker's limit fails there with
+TensorFlow's out-of-memory error naming that worker, while the other
+worker, and the one that failed, go on working; each worker's peak and
+current bytes are its own, and a reset starts a new peak.
+"""
+# bazel: tags=manual
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.benchmarks import script_runner
+
+_SCRIPT = r'''
+import json
+from tfpipe import network_namespace
+network_namespace.BringUpLoopback()
+from benchmarks import capped_workers
+workers = capped_workers.CappedWorkers(2, memory_mb=8)
+try:
+  workers.Connect()
+  import tensorflow as tf
+  out = {}
+  big = [1024, 3 * 1024]  # 12 MiB: more than a worker's 8 MiB.
+  try:
+    with tf.device(workers.devices[1]):
+      tf.zeros(big).numpy()
+  except tf.errors.ResourceExhaustedError as e:
+    out['error'] = str(e)
+  workers.Reset()
+  with tf.device(workers.devices[0]):
+    kept = tf.ones([512, 512])  # 1 MiB, kept.
+    tf.reduce_sum(tf.ones([512, 1024])).numpy()  # 2 MiB, freed.
+  with tf.device(workers.devices[1]):
+    after = float(tf.reduce_sum(tf.ones([256, 256])))
+  out['peaks'] = workers.Peaks()
+  out['current'] = workers.Current()
+  out['after'] = after
+  del kept
+  print('OUT ' + json.dumps(out))
+finally:
+  workers.Close()
+'''
+
+
+@pytest.mark.skipif(not shutil.which('unshare'),
+                    reason='needs unshare (util-linux) for loopback servers')
+def test_each_worker_has_its_own_limit_and_memory():
+  proc = subprocess.run(
+      ['unshare', '--net', '--map-root-user', sys.executable, '-c', _SCRIPT],
+      cwd=script_runner.ROOT, capture_output=True, text=True, timeout=180,
+      check=False)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith('OUT ')]
+  assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+  out = json.loads(lines[0][4:])
+  assert 'OOM when allocating tensor with shape[1024,3072]' in out['error']
+  assert '/job:worker/replica:0/task:1/device:CPU:0' in out['error']
+  assert out['after'] == 256 * 256
+  mib = 2**20
+  assert 3 * mib <= out['peaks'][0] <= 8 * mib  # Within its own limit.
+  assert out['peaks'][1] < mib
+  assert mib <= out['current'][0] < 2 * mib

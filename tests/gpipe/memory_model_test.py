@@ -1,0 +1,126 @@
+"""Tests of gpipe.memory_model: each device's peak from its action list.
+
+Protected properties, on synthetic cells with round numbers: the resident
+part is variables, accumulators and slots; GPipe without remat keeps every
+micro-batch's activations at once and 1F1B only K-k of them (so its first
+device needs the most); remat keeps the inputs only and pays the recompute
+in B's working set; the last cell's fused F+B keeps nothing; the peak's
+breakdown adds up; profiles interpolate affinely between sizes; and a
+schedule the walk does not model is refused by name.
+"""
+
+import pytest
+
+from tfpipe.gpipe import memory_model
+from tfpipe.gpipe import schedule as schedule_lib
+
+MIB = 2**20
+
+
+def _Cell(n, is_last=False, variables=MIB):
+  """A cell whose activations are n MiB per kept micro-batch, etc."""
+  return memory_model.CellMemory(
+      micro_batch_size=n, variable_bytes=variables,
+      optimizer_bytes=2 * variables, input_bytes=n * MIB // 8,
+      input_gradient_bytes=n * MIB // 8, output_bytes=n * MIB // 8,
+      output_gradient_bytes=n * MIB // 8,
+      kept={'always': 0, 'never': n * MIB},
+      forward_peak={'always': n * MIB // 2, 'never': n * MIB},
+      backward_peak={'always': 2 * n * MIB, 'never': n * MIB},
+      fused_peak=2 * n * MIB, update_peak=MIB, is_last=is_last)
+
+
+def _Profiles(num_cells, sizes=(1, 8)):
+  return [memory_model.CellProfile([_Cell(n, k == num_cells - 1)
+                                    for n in sizes])
+          for k in range(num_cells)]
+
+
+def _Peaks(num_cells, schedule, m, remat, batch=16):
+  return memory_model.PredictPeaks(
+      _Profiles(num_cells),
+      memory_model.StepConfig(schedule, m, batch, remat))
+
+
+def test_resident_part_is_variables_accumulators_and_slots():
+  peak = _Peaks(1, 'gpipe', 1, 'always')[0]
+  assert (peak.variable_bytes, peak.accumulator_bytes,
+          peak.optimizer_bytes) == (MIB, MIB, 2 * MIB)
+  # One cell: F and B run as one call, whose working set is the largest.
+  assert peak.action == 'F0.0'
+  assert peak.peak_bytes == 4 * MIB + 2 * 16 * MIB
+
+
+def test_gpipe_without_remat_keeps_every_micro_batch():
+  peaks = _Peaks(2, 'gpipe', 4, 'never')  # n = 4 per micro-batch.
+  first = peaks[0]
+  assert first.in_flight == 4
+  assert first.kept_bytes == 4 * 4 * MIB
+  assert first.action == 'B3.0'
+
+
+def test_1f1b_keeps_k_minus_k_micro_batches():
+  peaks = _Peaks(4, '1f1b', 8, 'never')  # n = 2.
+  in_flight = [p.in_flight for p in peaks]
+  sched = schedule_lib.OneFOneBSchedule(4, 8)
+  # The walk's peak is at a B, after which one micro-batch is freed.
+  assert in_flight[:3] == [m for m in schedule_lib.MaxInFlight(sched)][:3]
+  assert peaks[0].peak_bytes > peaks[1].peak_bytes > peaks[2].peak_bytes
+  assert max(p.peak_bytes for p in peaks) < max(
+      p.peak_bytes for p in _Peaks(4, 'gpipe', 8, 'never'))
+
+
+def test_remat_keeps_inputs_and_pays_the_recompute_in_backward():
+  never = _Peaks(2, 'gpipe', 4, 'never')[0]
+  always = _Peaks(2, 'gpipe', 4, 'always')[0]
+  assert always.kept_bytes < never.kept_bytes
+  assert always.kept_bytes == 0  # Cell 0's inputs are the batch's slices.
+  # The recompute's B, and the output gradient it received.
+  assert always.transient_bytes == 2 * 4 * MIB + 4 * MIB // 8
+  device1 = _Peaks(2, 'gpipe', 4, 'always')[1]
+  # Cell 1 keeps its received inputs (n/8 MiB each) until its B.
+  assert device1.kept_bytes <= 4 * (4 * MIB // 8)
+
+
+def test_except_last_keeps_only_the_last_micro_batch():
+  peaks = _Peaks(3, 'gpipe', 4, 'except_last')
+  assert peaks[0].kept_bytes <= 4 * MIB + 3 * (4 * MIB // 8)
+
+
+def test_breakdown_adds_up_and_reads_well():
+  for peak in _Peaks(3, '1f1b', 4, 'never'):
+    parts = (peak.variable_bytes + peak.accumulator_bytes +
+             peak.optimizer_bytes + peak.other_bytes + peak.batch_bytes +
+             peak.kept_bytes + peak.transient_bytes)
+    assert parts == pytest.approx(peak.peak_bytes)
+    assert peak.Describe().startswith(f'{peak.peak_bytes / MIB:.1f} MiB at ')
+  lines = memory_model.PeakTable(_Peaks(2, 'gpipe', 1, 'never'),
+                                 budget_bytes=30 * MIB)
+  assert 'does not fit' in lines[0] and 'cell 0' in lines[0]
+
+
+def test_profiles_interpolate_affinely_and_keep_resident_fields():
+  profile = memory_model.CellProfile([_Cell(2), _Cell(10)])
+  middle = profile.At(6)
+  assert middle.kept['never'] == pytest.approx(6 * MIB)
+  assert middle.variable_bytes == MIB
+  assert profile.At(20).kept['never'] == pytest.approx(20 * MIB)
+  assert profile.At(1).forward_peak['always'] == pytest.approx(MIB / 2)
+  restored = memory_model.CellProfile.FromDict(profile.ToDict())
+  assert restored.At(6) == middle
+
+
+def test_uneven_micro_batches_and_bad_settings():
+  assert memory_model.MicroBatchSizes(10, 4) == [3, 3, 2, 2]
+  with pytest.raises(ValueError, match="schedule='zb_h1'"):
+    _Peaks(2, 'zb_h1', 4, 'always')
+  with pytest.raises(ValueError, match='batch_size=2 is smaller'):
+    _Peaks(2, 'gpipe', 4, 'always', batch=2)
+
+
+def test_interleaved_placement_sums_a_devices_cells():
+  step = memory_model.StepConfig('interleaved_1f1b', 4, 8, 'always',
+                                 device_of_cell=[0, 1, 0, 1])
+  peaks = memory_model.PredictPeaks(_Profiles(4), step)
+  assert [p.cells for p in peaks] == [[0, 2], [1, 3]]
+  assert peaks[0].variable_bytes == 2 * MIB

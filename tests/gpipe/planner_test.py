@@ -1,0 +1,111 @@
+"""Tests of gpipe.planner, on synthetic layer profiles with round numbers.
+
+Protected properties: every device of a plan fits its budget; a model that
+does not fit one device is split over more, and the cut balances what the
+devices hold; faster is preferred where both fit; nothing fitting is said
+before anything runs, with the smallest memory that would fit (and that
+memory does fit); the step time counts the bubble on concurrent devices and
+every action on devices that run one at a time; a cell of several layers
+adds what they keep.
+"""
+
+import pytest
+
+from tfpipe.gpipe import memory_model
+from tfpipe.gpipe import planner
+
+MIB = 2**20
+
+
+def _Layer(n, is_last=False, variables=4 * MIB, seconds=0.01):
+  return memory_model.CellMemory(
+      micro_batch_size=n, variable_bytes=variables,
+      optimizer_bytes=2 * variables, input_bytes=n * MIB // 16,
+      input_gradient_bytes=n * MIB // 16, output_bytes=n * MIB // 16,
+      output_gradient_bytes=n * MIB // 16,
+      kept={'always': 0, 'never': n * MIB // 4},
+      forward_peak={'always': n * MIB // 8, 'never': n * MIB // 4},
+      backward_peak={'always': n * MIB // 2, 'never': n * MIB // 4},
+      fused_peak=n * MIB // 2, update_peak=MIB, is_last=is_last,
+      forward_s=seconds * n, backward_s={'always': 3 * seconds * n,
+                                         'never': 2 * seconds * n},
+      fused_s=3 * seconds * n, update_s=0.001)
+
+
+def _Profiles(num_layers=8):
+  layers = [memory_model.CellProfile([_Layer(1), _Layer(16)])
+            for _ in range(num_layers)]
+  last = memory_model.CellProfile([_Layer(1, True), _Layer(16, True)])
+  return planner.LayerProfiles(layers, last)
+
+
+def test_combined_layers_add_what_they_keep():
+  one = _Layer(4)
+  three = planner.CombineLayers([one, one, _Layer(4, True)])
+  assert three.variable_bytes == 12 * MIB
+  # Their own activations and the two inputs passed between them.
+  assert three.kept['never'] == 3 * MIB + 2 * (4 * MIB // 16)
+  assert three.kept['always'] == 0
+  assert three.backward_peak['always'] > one.backward_peak['always']
+  assert three.is_last
+
+
+def test_a_model_too_big_for_one_device_is_split_to_fit():
+  # 8 layers x 4 MiB x 4 (variable, accumulator, two slots) = 128 MiB.
+  devices = planner.Devices(count=4, memory_bytes=48 * MIB, concurrent=True)
+  plans = planner.CandidatePlans(_Profiles(), devices, batch_size=16)
+  assert all(p.num_partitions >= 4 for p in plans)
+  for plan in plans:
+    assert plan.max_peak_bytes <= 48 * MIB
+    assert sum(plan.layer_counts) == 8
+  best = planner.Explain(plans, devices)
+  assert best.layer_counts == [2, 2, 2, 2]
+  text = best.Describe()
+  assert 'Plan: 4 partition(s)' in text and 'why:' in text
+  assert '[1, 2, 3] partition(s) fit in no configuration' in text
+
+
+def test_fastest_fitting_plan_is_first():
+  devices = planner.Devices(count=2, memory_bytes=1024 * MIB,
+                            concurrent=False)
+  plans = planner.CandidatePlans(_Profiles(), devices, batch_size=16)
+  times = [p.step_time_s for p in plans]
+  assert times == sorted(times)
+  # Devices that take turns: the pipeline buys nothing, recomputing costs.
+  best = plans[0]
+  assert best.remat_policy == 'never'
+  assert best.num_micro_batches == 1
+
+
+def test_nothing_fits_names_the_smallest_memory_that_does():
+  devices = planner.Devices(count=2, memory_bytes=16 * MIB)
+  with pytest.raises(planner.NoPlanError,
+                     match=r'smallest per-device memory that would fit is '
+                     r'\d+ MiB') as raised:
+    planner.CandidatePlans(_Profiles(), devices, batch_size=16)
+  smallest = raised.value.smallest_memory_bytes
+  assert smallest > 16 * MIB
+  enough = planner.Devices(count=2, memory_bytes=smallest + 1)
+  assert planner.CandidatePlans(_Profiles(), enough, batch_size=16)
+
+
+def test_step_time_counts_the_bubble_or_every_action():
+  cells = [_Layer(4), _Layer(4, True)]
+  step = memory_model.StepConfig('gpipe', 4, 16, 'always')
+  concurrent, parts = planner.StepTime(cells, step, planner.Devices(2, 1e12))
+  assert parts['bubble'] > 0
+  serial, _ = planner.StepTime(cells, step,
+                               planner.Devices(2, 1e12, concurrent=False))
+  assert serial > concurrent
+  slow = planner.Devices(2, 1e12, bandwidth_bytes_per_s=1e6, latency_s=0.01)
+  with_transfers, parts = planner.StepTime(cells, step, slow)
+  assert parts['transfers'] > 0 and with_transfers > concurrent
+
+
+def test_memory_balanced_cut_balances_the_peaks():
+  step = memory_model.StepConfig('1f1b', 8, 8, 'always')
+  counts, cells, peaks = planner.MemoryBalancedCut(_Profiles(), 2, step)
+  assert counts == [4, 4] and len(cells) == 2
+  assert max(p.peak_bytes for p in peaks) < 1.2 * min(
+      p.peak_bytes for p in peaks)
+  assert planner.MemoryBalancedCut(_Profiles(2), 4, step) is None

@@ -1,0 +1,90 @@
+"""Tests of --plan=auto (tfpipe.trainer.auto_plan) on emulated accelerators.
+
+The CI-sized check of issue 20: two worker processes, each capped at 25 MiB
+(the launcher's --device_memory_mb), and a model whose weights, gradients
+and Adam slots alone need more than one of them (an MLP of eight 512-wide
+layers: 28 MiB on one device). Protected properties:
+the planner sees that one device cannot hold it and trains it on two, every
+device within its limit; the same model forced onto one device runs out of
+memory with a short error that names the worker, the cell and its layers,
+the limit and the prediction, and exits with EXIT_OUT_OF_MEMORY, leaving the
+plan's checkpoints as they were. The plan's pieces are also checked alone.
+"""
+# bazel: deps=//params,//tfpipe:launcher,//tfpipe/trainer:__main__
+
+import hashlib
+import os
+import shutil
+
+import pytest
+
+from tests import quiet_test
+from tfpipe.gpipe import planner
+from tfpipe.trainer import auto_plan
+from tfpipe.trainer import out_of_memory
+
+_MODEL = ['--model=mlp.TinyMlp',
+          '--model_params_override=task.model.hidden_dim: 512; '
+          'task.model.num_hidden_layers: 8']
+
+
+def _Launch(logdir, *args):
+  return quiet_test.RunPython(
+      '-m', 'tfpipe.launcher', '--num_workers=2', '--device_memory_mb=25',
+      '--', *_MODEL, f'--logdir={logdir}', *args, timeout=240)
+
+
+def _Digests(directory):
+  return {name: hashlib.sha256(open(os.path.join(directory, name),
+                                    'rb').read()).hexdigest()
+          for name in sorted(os.listdir(directory))}
+
+
+@pytest.mark.skipif(not shutil.which('unshare'),
+                    reason='needs unshare (util-linux) for loopback servers')
+def test_a_model_too_big_for_one_capped_worker_trains_on_two(tmp_path):
+  logdir = tmp_path / 'mlp'
+  planned = _Launch(logdir, '--plan=auto', '--max_steps=4',
+                    '--save_interval_steps=2')
+  out = planned.stdout + planned.stderr
+  assert planned.returncode == 0, out[-3000:]
+  assert 'Plan: 2 partition(s) x 1 replica(s)' in out
+  assert '[1] partition(s) fit in no configuration' in out
+  assert 'Final: step=4' in out
+  checkpoints = _Digests(logdir / 'checkpoints')
+  assert 'ckpt-4.index' in checkpoints
+
+  forced = _Launch(logdir, '--num_partitions=1', '--max_steps=8')
+  assert forced.returncode == out_of_memory.EXIT_OUT_OF_MEMORY, (
+      forced.stdout[-2000:] + forced.stderr[-3000:])
+  assert 'Traceback' not in forced.stderr
+  assert 'RecvAsync is cancelled' not in forced.stderr
+  [error] = [line for line in forced.stderr.splitlines()
+             if line.startswith('ERROR:')]
+  assert error.startswith(
+      'ERROR: Out of memory on /job:worker/replica:0/task:0/device:CPU:0, '
+      'which runs cell0 (fc_0, fc_1, fc_2, fc_3, fc_4, fc_5, fc_6, fc_7, '
+      'logits)')
+  assert 'Its limit is 25 MiB; the memory model predicted' in error
+  assert '--plan=auto' in error
+  assert 'ckpt-4) were not touched' in error or 'ckpt-4, is kept' in error
+  assert _Digests(logdir / 'checkpoints') == checkpoints
+
+
+def test_the_plan_is_written_into_the_params():
+  from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
+  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
+  plan = planner.PipelinePlan(
+      num_partitions=2, num_replicas=2, layer_counts=[2, 3],
+      num_micro_batches=4, remat_policy='except_last', schedule='1f1b',
+      peaks=[], step_time_s=0.1, time_parts={}, memory_bytes=1.0)
+  auto_plan.ApplyPlan(p, plan)
+  pp = p.task.pipeline
+  assert (pp.num_partitions, pp.num_replicas, pp.balance,
+          pp.num_micro_batches, pp.remat_policy, pp.schedule) == (
+              2, 2, [2, 3], 4, 'except_last', '1f1b')
+
+
+def test_layers_are_profiled_at_the_smallest_and_largest_micro_batch():
+  assert auto_plan.ProfiledSizes(64, 2) == [1, 64]
+  assert auto_plan.ProfiledSizes(4096, 2) == [32, 4096]

@@ -1,0 +1,64 @@
+"""Tests of tfpipe.trainer.memory_report: the memory model for an experiment.
+
+Protected properties (no profiling here; gpipe/memory_profile_test and the
+trainer's end-to-end tests run it): each cell's input shape follows from
+the cost model, the step the walk sees is the experiment's (schedule, M,
+one replica's batch, remat, interleaved placement), the layers become
+one-layer cells for the planner, and the inspect_model lines put each
+device's prediction next to the budget and say what to change when one
+does not fit.
+"""
+
+from tfpipe import model_registry
+from tfpipe.gpipe import memory_model
+from tfpipe.trainer import memory_report
+from tfpipe.trainer import task as task_lib
+
+MIB = 2**20
+
+
+def _Params():
+  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
+  p.task.pipeline.Set(num_partitions=2, num_micro_batches=4,
+                      schedule='1f1b', remat_policy='except_last',
+                      num_replicas=2)
+  return p
+
+
+def test_cell_input_shapes_and_step_follow_the_experiment():
+  p = _Params()
+  model = p.task.model.Instantiate()
+  cells = task_lib.PartitionCells(p.task, model)
+  shapes = memory_report.CellInputShapes(cells, model.InputShape())
+  assert shapes == [(None, 16), (None, 32)]
+  step = memory_report.StepConfig(p)
+  assert (step.schedule, step.num_micro_batches, step.batch_size,
+          step.remat_policy) == ('1f1b', 4, 16, 'except_last')
+  assert step.input_example_bytes == 16 * 4
+  assert memory_report.StepMicroBatchSizes(p) == [4]
+  p.task.pipeline.Set(devices=['/CPU:0', '/CPU:1', '/CPU:0', '/CPU:1'],
+                      num_partitions=4, schedule='interleaved_1f1b',
+                      num_replicas=1)
+  assert memory_report.StepConfig(p).device_of_cell == [0, 1, 0, 1]
+
+
+def test_layers_become_one_layer_cells():
+  cells = memory_report.LayerCells(_Params())
+  assert [c.name for c in cells] == [f'layer{i}' for i in range(5)]
+  assert [c.sub[0].name for c in cells] == [
+      'fc_0', 'fc_1', 'fc_2', 'fc_3', 'logits']
+  assert all(c.sub[0].random_seed is not None for c in cells)
+
+
+def test_budget_lines_compare_each_device_with_the_budget():
+  p = _Params()
+  peaks = [memory_model.DevicePeak(0, [0], 3 * MIB, variable_bytes=MIB,
+                                   action='B3.0'),
+           memory_model.DevicePeak(1, [1], 9 * MIB, variable_bytes=MIB,
+                                   action='F0.1')]
+  lines = memory_report.BudgetLines(p, peaks, 8, ['/CPU:0', '/CPU:1'])
+  assert lines[0].startswith('Predicted peak memory per device')
+  assert lines[2].split()[:6] == ['/CPU:0', 'cell0', '3.0', 'MiB', '8', 'MiB']
+  assert lines[2].split()[6] == 'yes' and lines[3].split()[6] == 'NO'
+  assert '--plan=auto' in lines[-1]
+  assert memory_report.SmallestBudgetMb(peaks) == 9

@@ -1,0 +1,119 @@
+"""Tests of the trainer's out-of-memory stop (tfpipe.trainer.out_of_memory).
+
+Protected properties: a process whose CPU allocator is capped
+(TF_CPU_BFC_MEM_LIMIT_IN_MB), running the pipeline on logical devices,
+stops with one ERROR line naming the shared allocator, the device and the
+cell whose allocation failed, the limit and the memory model's prediction,
+and what to change; its exit status is EXIT_OUT_OF_MEMORY and the
+checkpoints it found are untouched. The message's parts are also checked
+alone: advice that leaves out what is already set, the checkpoint sentence,
+and errors that are not out of memory left alone.
+"""
+
+import hashlib
+import os
+
+from tests import quiet_test
+from tfpipe import memory_limit
+from tfpipe import model_registry
+from tfpipe import out_of_memory as oom_lib
+from tfpipe.trainer import out_of_memory
+from tfpipe.trainer import train_loop
+
+MIB = 2**20
+
+
+def _Params(**pipeline):
+  p = model_registry.GetParams('lm.TinyTransformerLm', 'Train')
+  p.task.pipeline.Set(num_partitions=2, **pipeline)
+  return p
+
+
+def _Digests(directory):
+  return {name: hashlib.sha256(open(os.path.join(directory, name),
+                                    'rb').read()).hexdigest()
+          for name in sorted(os.listdir(directory))}
+
+
+def test_a_capped_process_stops_plainly_and_keeps_its_checkpoints(tmp_path):
+  logdir = str(tmp_path / 'lm')
+  p = _Params(num_micro_batches=4, remat_policy='always')
+  p.task.train.Set(max_steps=2, save_interval_steps=2)
+  train_loop.Trainer(p, logdir, log=lambda line: None).Train()
+  checkpoints = _Digests(os.path.join(logdir, 'checkpoints'))
+  env = memory_limit.CappedEnv(8)
+  env.pop('TF_CPP_MIN_LOG_LEVEL', None)
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run(
+      [sys.executable, '-m', 'tfpipe.trainer', '--model=lm.TinyTransformerLm',
+       f'--logdir={logdir}', '--run_locally=cpu', '--num_partitions=2',
+       '--num_micro_batches=1', '--remat_policy=never', '--max_steps=4'],
+      cwd=quiet_test.ROOT, env=env, capture_output=True, text=True,
+      timeout=240, check=False)
+  assert proc.returncode == out_of_memory.EXIT_OUT_OF_MEMORY, (
+      proc.stdout[-2000:] + proc.stderr[-3000:])
+  assert 'Traceback' not in proc.stderr
+  assert quiet_test.StartupLines(proc.stderr) == []
+  [error] = [line for line in proc.stderr.splitlines()
+             if line.startswith('ERROR:')]
+  assert error.startswith('ERROR: Out of memory in this process, whose 2 '
+                          'logical devices share one allocator (on ')
+  assert 'which runs cell' in error and 'it could not allocate a tensor' in error
+  assert 'The process\'s limit is 8 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB)' in error
+  assert 'the memory model predicted' in error
+  assert '--remat_policy=always' in error and '--plan=auto' in error
+  assert 'The last good checkpoint' in error and 'ckpt-2' in error
+  assert _Digests(os.path.join(logdir, 'checkpoints')) == checkpoints
+
+
+class _Peak:
+
+  def __init__(self, cells, peak_bytes):
+    self.cells, self.peak_bytes, self.device = cells, peak_bytes, cells[0]
+
+  def Describe(self):
+    return f'{self.peak_bytes / MIB:.1f} MiB at B0.1'
+
+
+def test_the_message_names_device_cell_limit_prediction_and_fixes():
+  p = _Params(num_micro_batches=4, remat_policy='never', schedule='gpipe')
+  diagnosis = out_of_memory.Diagnosis(
+      p, ['/job:worker/replica:0/task:0/device:CPU:0',
+          '/job:worker/replica:0/task:1/device:CPU:0'], limit_mb=24,
+      predict=lambda: [_Peak([0], 10 * MIB), _Peak([1], 31 * MIB)],
+      last_good=lambda: out_of_memory.LastGood('/l/checkpoints/ckpt-20'))
+  record = oom_lib.OutOfMemoryRecord(
+      '/job:worker/replica:0/task:1/device:CPU:0', '64,32,512', 'float',
+      'bfc', 'cell1_1/block_2/ffn/MatMul', '4.00MiB')
+  message = diagnosis.Message(record)
+  assert message.startswith(
+      'Out of memory on /job:worker/replica:0/task:1/device:CPU:0, which '
+      'runs cell1 (block_1, final_ln, logits): it could not allocate a '
+      'tensor of shape [64,32,512] (float), 4.00MiB, for op '
+      'cell1_1/block_2/ffn/MatMul.')
+  assert ('Its limit is 24 MiB; the memory model predicted 31.0 MiB at '
+          'B0.1.') in message
+  assert ('To fit, try more partitions (--num_partitions=4), '
+          '--remat_policy=always, more micro-batches (--num_micro_batches=8), '
+          '--schedule=1f1b, --balance=memory, or --plan=auto with '
+          '--device_memory_mb.') in message
+  assert message.endswith('The last good checkpoint, /l/checkpoints/ckpt-20, '
+                          'is kept.')
+
+
+def test_advice_leaves_out_what_is_already_set():
+  p = _Params(num_micro_batches=8, remat_policy='always', balance='memory')
+  advice = out_of_memory.Advice(p.task.pipeline)
+  assert '--remat_policy' not in advice and '--balance' not in advice
+  assert '--num_micro_batches=16' in advice
+
+
+def test_checkpoint_sentence_and_other_errors(tmp_path):
+  assert out_of_memory.LastGood(None) == 'No checkpoint was written or changed.'
+  (tmp_path / 'ckpt-3.index').write_text('')
+  (tmp_path / 'ckpt-12.index').write_text('')
+  assert out_of_memory.LastGood(None, str(tmp_path)) == (
+      f'The checkpoints in {tmp_path} (the newest ckpt-12) were not touched.')
+  diagnosis = out_of_memory.Diagnosis(_Params(), ['/CPU:0', '/CPU:1'])
+  assert diagnosis.Check(ValueError('shapes (2, 3) and (4,) differ')) is None

@@ -1,0 +1,424 @@
+"""Each device's peak memory in a training step, predicted before it runs.
+
+A device holds, for the whole step, its cells' variables, one gradient
+accumulator per variable and the optimizer's slots (`resident`). On top of
+that, the schedule decides what is in flight: each forward F(m, k) keeps
+what its backward B(m, k) will read (under re-materialization the cell's
+input only; without it the activations the engine keeps), and each action
+needs a working set while it runs (a re-materialized B recomputes the
+cell's activations, takes the gradient and holds the weight gradients until
+they are accumulated). So the peak is found by walking each device's action
+list, as the runtime issues it:
+
+    live = resident
+    F(m, k): peak candidate  live + input + forward working set
+             then            live += input + kept(m)
+    B(m, k): peak candidate  live + received output gradient + backward
+                             working set (+ the input gradient it hands back)
+             then            live -= input + kept(m)
+    the update: peak candidate  resident + the optimizer's working set
+                (clipping included)
+
+The last cell's F and B run as one call when B comes right after F (the
+runtime's fused call: no recompute, nothing kept). Inputs and targets of the
+whole batch sit on the first and last devices for the step.
+
+The per-cell numbers (`CellMemory`) are measured, not derived from the
+engine's code: `memory_profile` runs each distinct cell through the engine's
+own training step once and reads the allocator around every action, so the
+model follows whatever the engine keeps. What a cell holds scales with the
+micro-batch size n, except its weight gradients; `CellProfile` interpolates
+between profiled sizes (affine in n). This module is pure Python (no
+TensorFlow), so the planner can evaluate thousands of configurations.
+"""
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence
+
+from tfpipe.gpipe import schedule as schedule_lib
+
+REMAT = 'always'
+NO_REMAT = 'never'
+# Schedules whose actions the walk understands: F and B (no split W).
+SCHEDULES = ('gpipe', '1f1b', 'interleaved_1f1b')
+
+# Fields of CellMemory that do not depend on the micro-batch size.
+_RESIDENT_FIELDS = ('variable_bytes', 'other_variable_bytes',
+                    'optimizer_bytes', 'update_peak', 'update_s')
+
+
+@dataclasses.dataclass
+class CellMemory:
+  """What one cell's actions hold, in bytes, at one micro-batch size.
+
+  `kept`, `forward_peak` and `backward_peak` are keyed by REMAT and NO_REMAT.
+  A peak is measured above what was live before the action started.
+
+  Attributes:
+    micro_batch_size: n, the examples of the micro-batch measured.
+    variable_bytes: the cell's trainable variables (also the size of its
+      gradient accumulators).
+    other_variable_bytes: its other variables (batch-norm statistics).
+    optimizer_bytes: the optimizer's slots for its variables.
+    input_bytes: one micro-batch's input to the cell (what a device receives
+      and, re-materialized, keeps).
+    input_gradient_bytes: the float part of it (the gradient B hands back).
+    output_bytes: one micro-batch's output (what F hands on).
+    output_gradient_bytes: the float part of it (the gradient B receives).
+    kept: what F keeps until its B, beyond the input.
+    forward_peak: F's working set.
+    backward_peak: B's working set (the recompute included, under remat).
+    fused_peak: F, loss and B of the last cell in one call.
+    update_peak: the optimizer update's working set (clipping included).
+    is_last: profiled as the last cell, with the model's loss.
+    forward_s, backward_s, fused_s, update_s: seconds, as measured once
+      while profiling (keyed like the peaks where they are dicts).
+  """
+  micro_batch_size: int
+  variable_bytes: int = 0
+  other_variable_bytes: int = 0
+  optimizer_bytes: int = 0
+  input_bytes: int = 0
+  input_gradient_bytes: int = 0
+  output_bytes: int = 0
+  output_gradient_bytes: int = 0
+  kept: Dict[str, float] = dataclasses.field(default_factory=dict)
+  forward_peak: Dict[str, float] = dataclasses.field(default_factory=dict)
+  backward_peak: Dict[str, float] = dataclasses.field(default_factory=dict)
+  fused_peak: float = 0.0
+  update_peak: float = 0.0
+  is_last: bool = False
+  forward_s: float = 0.0
+  backward_s: Dict[str, float] = dataclasses.field(default_factory=dict)
+  fused_s: float = 0.0
+  update_s: float = 0.0
+
+  @property
+  def resident_bytes(self):
+    """Variables, gradient accumulators, optimizer slots, other variables."""
+    return (2 * self.variable_bytes + self.optimizer_bytes +
+            self.other_variable_bytes)
+
+  def ToDict(self):
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def FromDict(cls, values):
+    return cls(**values)
+
+
+def _Blend(a, b, weight):
+  """a + weight * (b - a), recursively over dicts; never below 0."""
+  if isinstance(a, dict):
+    return {key: _Blend(a[key], b[key], weight) for key in a}
+  if isinstance(a, bool):
+    return a
+  return max(0.0, a + weight * (b - a))
+
+
+class CellProfile:
+  """One cell's CellMemory at several micro-batch sizes; any size by
+  interpolation.
+
+  What a cell holds per micro-batch is affine in n (activations grow with
+  the examples; the weight gradients do not), so two measured sizes give
+  every other one; sizes beyond them are extrapolated from the nearest two.
+  """
+
+  def __init__(self, measurements: Sequence[CellMemory]):
+    if not measurements:
+      raise ValueError('A CellProfile needs at least one measurement.')
+    self.by_size = {m.micro_batch_size: m for m in measurements}
+
+  @property
+  def sizes(self):
+    return sorted(self.by_size)
+
+  def At(self, n):
+    """The CellMemory at micro-batch size n."""
+    if n in self.by_size:
+      return self.by_size[n]
+    sizes = self.sizes
+    if len(sizes) == 1:
+      only = self.by_size[sizes[0]]
+      return dataclasses.replace(
+          _Scaled(only, n / sizes[0]), micro_batch_size=n)
+    below = [s for s in sizes if s < n]
+    above = [s for s in sizes if s > n]
+    if below and above:
+      lo, hi = below[-1], above[0]
+    elif below:
+      lo, hi = below[-2:] if len(below) > 1 else (below[-1], below[-1])
+    else:
+      lo, hi = above[:2]
+    a, b = self.by_size[lo], self.by_size[hi]
+    weight = (n - lo) / (hi - lo)
+    values = {}
+    for field in dataclasses.fields(CellMemory):
+      name = field.name
+      if name == 'micro_batch_size':
+        values[name] = n
+      elif name in _RESIDENT_FIELDS or name == 'is_last':
+        values[name] = getattr(a, name)
+      else:
+        values[name] = _Blend(getattr(a, name), getattr(b, name), weight)
+    return CellMemory(**values)
+
+  def ToDict(self):
+    return {'measurements': [m.ToDict() for m in self.by_size.values()]}
+
+  @classmethod
+  def FromDict(cls, values):
+    return cls([CellMemory.FromDict(m) for m in values['measurements']])
+
+
+def _Scaled(memory, factor):
+  """A single measurement scaled to another size: activations only."""
+  values = {}
+  for field in dataclasses.fields(CellMemory):
+    name = field.name
+    value = getattr(memory, name)
+    if name in _RESIDENT_FIELDS or name in ('micro_batch_size', 'is_last'):
+      values[name] = value
+    elif isinstance(value, dict):
+      values[name] = {key: v * factor for key, v in value.items()}
+    else:
+      values[name] = value * factor
+  return CellMemory(**values)
+
+
+@dataclasses.dataclass
+class DevicePeak:
+  """A device's predicted peak and what it is made of at that moment.
+
+  Attributes:
+    device: the device's index in the schedule.
+    cells: the cells it runs.
+    peak_bytes: the prediction.
+    variable_bytes, accumulator_bytes, optimizer_bytes, other_bytes: the
+      resident part.
+    batch_bytes: the whole batch's inputs (first device) and targets (last).
+    in_flight: micro-batches whose forward state the device holds then.
+    kept_bytes: that state: the inputs they keep and what their F kept.
+    transient_bytes: the working set of the action running at the peak,
+      with the gradient it received.
+    action: that action ('F3.1', 'B0.2', or 'update').
+  """
+  device: int
+  cells: List[int]
+  peak_bytes: float
+  variable_bytes: float = 0.0
+  accumulator_bytes: float = 0.0
+  optimizer_bytes: float = 0.0
+  other_bytes: float = 0.0
+  batch_bytes: float = 0.0
+  in_flight: int = 0
+  kept_bytes: float = 0.0
+  transient_bytes: float = 0.0
+  action: str = ''
+
+  def Describe(self):
+    """'12.3 MiB at B0.1 = variables 2.0 + accumulators 2.0 + ...'."""
+    mib = 2.0**20
+    parts = [('variables', self.variable_bytes),
+             ('accumulators', self.accumulator_bytes),
+             ('optimizer slots', self.optimizer_bytes),
+             ('other variables', self.other_bytes),
+             ('batch', self.batch_bytes),
+             (f'{self.in_flight} micro-batch(es) in flight', self.kept_bytes),
+             (f'{self.action} working set', self.transient_bytes)]
+    return (f'{self.peak_bytes / mib:.1f} MiB at {self.action} = ' + ' + '.join(
+        f'{name} {value / mib:.1f}' for name, value in parts
+        if value >= 0.05 * mib))
+
+
+@dataclasses.dataclass
+class StepConfig:
+  """What the walk needs to know about the step besides the cells.
+
+  Attributes:
+    schedule: 'gpipe', '1f1b' or 'interleaved_1f1b'.
+    num_micro_batches: M.
+    batch_size: N, the examples of one replica's batch.
+    remat_policy: 'always', 'except_last' or 'never'.
+    device_of_cell: device index of each cell (default: cell k on device k).
+    input_example_bytes: bytes of one example's input (the first device
+      holds the whole batch's).
+    target_example_bytes: bytes of one example's targets (last device).
+  """
+  schedule: str
+  num_micro_batches: int
+  batch_size: int
+  remat_policy: str = 'always'
+  device_of_cell: Optional[List[int]] = None
+  input_example_bytes: float = 0.0
+  target_example_bytes: float = 0.0
+
+
+def MicroBatchSizes(batch_size, num_micro_batches):
+  """Sizes of the M micro-batches of N examples (differing by at most one)."""
+  base, extra = divmod(batch_size, num_micro_batches)
+  return [base + (1 if m < extra else 0) for m in range(num_micro_batches)]
+
+
+def UsesRemat(remat_policy, micro_batch, num_micro_batches):
+  """Whether F(m) keeps only its input (the runtime's rule)."""
+  if remat_policy == 'never':
+    return False
+  if remat_policy == 'except_last':
+    return micro_batch != num_micro_batches - 1
+  return True
+
+
+def CheckStep(step):
+  if step.schedule not in SCHEDULES:
+    raise ValueError(
+        f'The memory model walks the schedules {list(SCHEDULES)}; '
+        f'schedule={step.schedule!r} splits the backward into B and W, whose '
+        'memory it does not model yet.')
+  if step.remat_policy not in ('always', 'except_last', 'never'):
+    raise ValueError(f'Unknown remat_policy {step.remat_policy!r}. Received: '
+                     f'remat_policy={step.remat_policy!r}')
+  if step.batch_size < step.num_micro_batches:
+    raise ValueError(f'batch_size={step.batch_size} is smaller than '
+                     f'num_micro_batches={step.num_micro_batches}.')
+
+
+def _FusedActions(sched):
+  """Micro-batches whose last-cell B comes right after their F (one call)."""
+  last = sched.num_cells - 1
+  fused = set()
+  for acts in sched.device_actions:
+    for a, following in zip(acts, acts[1:] + [None]):
+      if (a.kind == schedule_lib.FORWARD and a.cell == last and
+          following == schedule_lib.Action(schedule_lib.BACKWARD,
+                                           a.micro_batch, last)):
+        fused.add(a.micro_batch)
+  return fused
+
+
+class _DeviceWalk:
+  """One device's live bytes through its actions, and its largest moment."""
+
+  def __init__(self, peak, base):
+    self.peak = peak
+    self.base = base
+    self.kept = 0.0
+    self.held = {}
+    self.best = None
+    self.Consider(0.0, 'start')
+
+  def Consider(self, transient, action):
+    total = self.base + self.kept + transient
+    if self.best is None or total > self.best[0]:
+      self.best = (total, len(self.held), self.kept, transient, action)
+
+  def Keep(self, key, value):
+    self.held[key] = value
+    self.kept += value
+
+  def Free(self, key):
+    self.kept -= self.held.pop(key)
+
+  def Result(self):
+    (self.peak.peak_bytes, self.peak.in_flight, self.peak.kept_bytes,
+     self.peak.transient_bytes, self.peak.action) = self.best
+    return self.peak
+
+
+def MakeSchedule(step, num_cells):
+  """The schedule the step runs (checked), as schedule.MakeSchedule builds it."""
+  CheckStep(step)
+  return schedule_lib.MakeSchedule(step.schedule, num_cells,
+                                   step.num_micro_batches, step.device_of_cell)
+
+
+def WalkDevice(sched, device, cell_at, step):
+  """The DevicePeak of one device of a schedule.
+
+  Args:
+    sched: the schedule (MakeSchedule).
+    device: the device's index.
+    cell_at: cell_at(k, n) -> CellMemory of cell k at micro-batch size n,
+      for the cells this device runs.
+    step: the StepConfig.
+  """
+  sizes = MicroBatchSizes(step.batch_size, step.num_micro_batches)
+  fused = _FusedActions(sched)
+  last = sched.num_cells - 1
+  acts = sched.device_actions[device]
+  own = sorted({a.cell for a in acts})
+  first = [cell_at(k, sizes[0]) for k in own]
+  peak = DevicePeak(
+      device=device, cells=own, peak_bytes=0.0,
+      variable_bytes=sum(c.variable_bytes for c in first),
+      accumulator_bytes=sum(c.variable_bytes for c in first),
+      optimizer_bytes=sum(c.optimizer_bytes for c in first),
+      other_bytes=sum(c.other_variable_bytes for c in first))
+  if 0 in own:
+    peak.batch_bytes += step.input_example_bytes * step.batch_size
+  if last in own:
+    peak.batch_bytes += step.target_example_bytes * step.batch_size
+  walk = _DeviceWalk(peak, peak.variable_bytes + peak.accumulator_bytes +
+                     peak.optimizer_bytes + peak.other_bytes +
+                     peak.batch_bytes)
+  for a in acts:
+    k, m = a.cell, a.micro_batch
+    c = cell_at(k, sizes[m])
+    # Cell 0's input is a slice of the batch, already counted.
+    received = c.input_bytes if k > 0 else 0.0
+    dx = c.input_gradient_bytes if k > 0 else 0.0
+    mode = REMAT if UsesRemat(step.remat_policy, m,
+                              step.num_micro_batches) else NO_REMAT
+    if k == last and m in fused:
+      if a.kind == schedule_lib.FORWARD:
+        walk.Consider(received + c.fused_peak + dx, str(a))
+    elif a.kind == schedule_lib.FORWARD:
+      walk.Consider(received + c.forward_peak[mode], str(a))
+      walk.Keep((k, m), received + c.kept[mode])
+    else:
+      incoming = c.output_gradient_bytes if k < last else 0.0
+      walk.Consider(incoming + c.backward_peak[mode] + dx, str(a))
+      walk.Free((k, m))
+  # The update reads the step's gradients, which alias the accumulators
+  # (measured: counting them again over-predicted multi-device MLPs by up
+  # to 33%), and adds its own working set.
+  walk.Consider(sum(c.update_peak for c in first), 'update')
+  return walk.Result()
+
+
+def PredictPeaks(cells: Sequence[CellProfile], step: StepConfig):
+  """Each device's DevicePeak for one replica's training step.
+
+  Args:
+    cells: the profile of each cell, in order (the last one profiled with
+      the loss).
+    step: the schedule, M, N, remat policy and placement.
+
+  Returns:
+    A list of DevicePeak, one per device of the schedule.
+  """
+  sched = MakeSchedule(step, len(cells))
+  cache = {}
+
+  def CellAt(k, n):
+    if (k, n) not in cache:
+      cache[(k, n)] = cells[k].At(n)
+    return cache[(k, n)]
+  return [WalkDevice(sched, d, CellAt, step)
+          for d in range(sched.num_devices)]
+
+
+def PeakTable(peaks, budget_bytes=None):
+  """Lines 'device k (cells ...): predicted X MiB of Y MiB: breakdown'."""
+  mib = 2.0**20
+  lines = []
+  for p in peaks:
+    cells = ', '.join(map(str, p.cells))
+    limit = ''
+    if budget_bytes:
+      limit = (f' of {budget_bytes / mib:.0f} MiB'
+               f'{" (does not fit)" if p.peak_bytes > budget_bytes else ""}')
+    lines.append(f'device {p.device} (cell {cells}): predicted '
+                 f'{p.peak_bytes / mib:.1f} MiB{limit}: {p.Describe()}')
+  return lines

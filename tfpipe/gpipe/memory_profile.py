@@ -1,0 +1,436 @@
+"""One short profiled step per distinct cell: what its actions hold in memory.
+
+PipeDream profiles a model once, on one device, and plans from that. This
+module does the same for memory (and, on the side, time): each distinct
+cell runs as a one-cell pipeline on this process's CPU, through the engine's
+own training step (`PipeliningLayer.ComputeLossAndGradients`), with a
+dispatcher that issues one action at a time and reads TensorFlow's allocator
+around each: the bytes in use before it, the peak while it runs and the
+bytes in use after it. GPipe with M=2 gives every kind of action a cell has:
+
+    F0   not followed by its B: keeps what B0 will read (the input only,
+         re-materialized; the engine's recorded activations, not)
+    F1   followed by B1: on the last cell they run as one call (fused)
+    B0   the backward of a kept forward (recomputing it, re-materialized)
+
+run once with remat_policy='always' and once with 'never'. So what the
+memory model predicts is what this engine keeps, whatever that is; nothing
+about it is written down here.
+
+A cell that is not last gets a stand-in loss (the mean of its float
+outputs), whose gradient a real pipeline receives from the next device
+instead: the bytes of that gradient are taken out of what F keeps and of
+B's working set (memory_model adds the received gradient back). The
+optimizer's slots and the working set of its update (global-norm clipping
+and the step) are measured on the cell's variables with the task's own
+optimizer.
+
+Counting bytes needs TensorFlow's BFC allocator on the CPU, which only
+TF_CPU_ALLOCATOR_USE_BFC=true set before TensorFlow starts gives:
+`ProfileCells` runs in such a process, and `ProfileInSubprocess` starts one
+(python -m tfpipe.gpipe.memory_profile) from a process that was started
+without it.
+"""
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from tfpipe.gpipe import memory_model
+
+_ALLOCATOR = 'CPU:0'
+# Steps per configuration: the first traces; the others are recorded. The
+# order in which TensorFlow runs an action's independent ops varies, and
+# with it the action's peak (by a few percent), so each peak is the largest
+# of the recorded steps, and each time the shortest.
+_RECORDED_STEPS = 3
+
+
+def _Tf():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf
+
+
+def LocalCpu():
+  """This process's own CPU device (a controller's, in a cluster)."""
+  tf = _Tf()
+  with tf.device('/CPU:0'):
+    return tf.constant(0).device
+
+
+def CheckAllocatorCounts():
+  """Raises RuntimeError unless this process's CPU allocator counts bytes."""
+  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
+  if not memory_limit.UsesBfc():
+    raise RuntimeError(
+        'Profiling memory needs TensorFlow\'s BFC allocator on the CPU: set '
+        f'{memory_limit.BFC_ENV}=true before TensorFlow starts, or use '
+        'memory_profile.ProfileInSubprocess.')
+
+
+def _LeafBytes(t):
+  tf = _Tf()
+  return int(np.prod(tuple(t.shape), dtype=np.int64)) * tf.as_dtype(
+      t.dtype).size
+
+
+def _Bytes(structure):
+  tf = _Tf()
+  return sum(_LeafBytes(t) for t in tf.nest.flatten(structure)
+             if t is not None)
+
+
+def _FloatBytes(structure):
+  tf = _Tf()
+  return sum(_LeafBytes(t) for t in tf.nest.flatten(structure)
+             if t is not None and tf.as_dtype(t.dtype).is_floating)
+
+
+class ActionRecord:
+  """One action's bytes before, peak while running, bytes after; seconds."""
+
+  def __init__(self, action, before, peak, after, seconds):
+    self.action = action
+    self.before = before
+    self.peak = peak
+    self.after = after
+    self.seconds = seconds
+
+  @property
+  def transient(self):
+    return self.peak - self.before
+
+  @property
+  def delta(self):
+    return self.after - self.before
+
+
+class MemoryRecordingDispatcher:
+  """Issues a step's actions one at a time and records each one's memory.
+
+  It speaks the dispatcher protocol of gpipe.dispatch (Run, last_tokens);
+  a pipeline uses it through `SetThreadsDispatcher` with
+  executor='threads', called eagerly, where every action is a separate
+  function call that has finished when it returns.
+  """
+
+  name = 'memory_recording'
+
+  def __init__(self):
+    from tfpipe.gpipe import dispatch  # pylint: disable=g-import-not-at-top
+    self._inline = dispatch.Inline()
+    self.last_tokens = []
+    self.records = []
+
+  def Run(self, program, step, record_times=False):
+    tf = _Tf()
+    records = self.records
+
+    class _Measured:
+      """The step, each Execute read around."""
+
+      def Gather(self, item, store):
+        return step.Gather(item, store)
+
+      def Execute(self, item, args, store):
+        tf.config.experimental.reset_memory_stats(_ALLOCATOR)
+        before = tf.config.experimental.get_memory_info(_ALLOCATOR)['current']
+        start = time.perf_counter()
+        done = step.Execute(item, args, store)
+        seconds = time.perf_counter() - start
+        info = tf.config.experimental.get_memory_info(_ALLOCATOR)
+        records.append(ActionRecord(item[1], before, info['peak'],
+                                    info['current'], seconds))
+        return done
+
+    times = self._inline.Run(program, _Measured(), record_times)
+    self.last_tokens = self._inline.last_tokens
+    return times
+
+
+def StandInLoss(outputs, unused_targets=None):
+  """The loss of a cell that is not last: the mean of its float outputs."""
+  tf = _Tf()
+  floats = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
+  return tf.add_n([tf.reduce_mean(tf.cast(t, tf.float32)) for t in floats])
+
+
+def _Take(structure, n):
+  """The first n examples of every leaf, repeating the batch if it is short."""
+  tf = _Tf()
+
+  def Take(t):
+    t = tf.convert_to_tensor(t)
+    if t.shape[0] < n:
+      t = tf.concat([t] * (-(-n // t.shape[0])), axis=0)
+    return tf.identity(t[:n])
+  return tf.nest.map_structure(Take, structure)
+
+
+def RandomInputs(shape, n):
+  """float32 tensors of a nested shape (batch dim None) with n examples."""
+  tf = _Tf()
+  from tfpipe import cost_model  # pylint: disable=g-import-not-at-top
+  return cost_model.MapShapes(
+      lambda s: tf.random.stateless_normal((n,) + tuple(s[1:]), seed=[1, 2]),
+      shape)
+
+
+def _Worst(steps, kind, micro_batch):
+  """The action (kind, micro_batch) over the recorded steps: its largest
+  peak and bytes kept, its shortest time."""
+  found = [r for records in steps for r in records
+           if r.action.kind == kind and r.action.micro_batch == micro_batch]
+  return ActionRecord(found[0].action, 0, max(r.transient for r in found),
+                      max(r.delta for r in found),
+                      min(r.seconds for r in found))
+
+
+def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
+                is_last, optimizer_params, clip_gradient_norm=1.0):
+  """The CellMemory of one cell at one micro-batch size.
+
+  Args:
+    cell_params: the cell's params (a FeatureExtractionLayer of layers).
+    inputs: the cell's input, at least one example (repeated as needed).
+    targets: the loss's targets (last cell), or None.
+    loss_fn: the model's loss (last cell); other cells use StandInLoss.
+    micro_batch_size: n.
+    is_last: whether the cell is the pipeline's last, which runs the loss.
+    optimizer_params: the task's optimizer params (trainer.optimizer).
+    clip_gradient_norm: the task's clipping, part of the update.
+
+  Returns:
+    A memory_model.CellMemory.
+  """
+  CheckAllocatorCounts()
+  tf = _Tf()
+  from tfpipe.gpipe import pipelining_layer  # pylint: disable=g-import-not-at-top
+  n = int(micro_batch_size)
+  batch = _Take(inputs, 2 * n)
+  batch_targets = _Take(targets, 2 * n) if (is_last and
+                                            targets is not None) else None
+  loss = loss_fn if is_last else StandInLoss
+  result = memory_model.CellMemory(micro_batch_size=n, is_last=is_last)
+  single = _Take(inputs, n)
+  result.input_bytes = _Bytes(single)
+  result.input_gradient_bytes = _FloatBytes(single)
+  for mode in (memory_model.REMAT, memory_model.NO_REMAT):
+    pipe = pipelining_layer.PipeliningLayer.Params().Set(
+        name='profile', cell_tpl=[cell_params.Copy()], num_micro_batches=2,
+        devices=[LocalCpu()], executor='threads', schedule='gpipe',
+        remat_policy=mode).Instantiate()
+    recorder = MemoryRecordingDispatcher()
+    pipe.SetThreadsDispatcher(recorder)
+    steps = []
+    for i in range(_RECORDED_STEPS + 1):
+      recorder.records = []
+      out = pipe.ComputeLossAndGradients(batch, batch_targets, loss)
+      del out
+      if i:
+        steps.append(recorder.records)
+    if not result.output_bytes:
+      y = pipe.cells[0](single, training=False)
+      result.output_bytes = _Bytes(y)
+      result.output_gradient_bytes = _FloatBytes(y)
+      del y
+    forward = _Worst(steps, 'F', 0)
+    backward = _Worst(steps, 'B', 0)
+    fused = _Worst(steps, 'F', 1)
+    gradient = 0 if is_last else result.output_gradient_bytes
+    # Re-materialized, the stand-in loss's F also keeps its output gradient
+    # (B0 reads it); without, B0 computes it. A pipeline receives it.
+    result.kept[mode] = max(0, forward.delta - (
+        gradient if mode == memory_model.REMAT else 0))
+    result.forward_peak[mode] = max(0, forward.transient - (
+        gradient if mode == memory_model.REMAT else 0))
+    result.backward_peak[mode] = max(0, backward.transient - (
+        gradient if mode == memory_model.NO_REMAT else 0))
+    result.fused_peak = max(result.fused_peak, fused.transient)
+    result.backward_s[mode] = backward.seconds
+    if mode == memory_model.REMAT:
+      result.forward_s = forward.seconds
+      result.fused_s = fused.seconds
+      variables = pipe.trainable_variables
+      result.variable_bytes = _Bytes(variables)
+      result.other_variable_bytes = sum(
+          _Bytes(v) for v in pipe.cells[0].non_trainable_variables)
+      (result.optimizer_bytes, result.update_peak,
+       result.update_s) = _ProfileUpdate(variables, optimizer_params,
+                                         clip_gradient_norm)
+    del pipe, recorder
+  return result
+
+
+def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm):
+  """(slot bytes, update working set, seconds) of the task's optimizer.
+
+  The update is the trainer's: global-norm clipping, then the optimizer's
+  step, traced; the gradients are fresh tensors, as the accumulators' reads
+  are.
+  """
+  tf = _Tf()
+  from tfpipe.trainer import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  if not variables:
+    return 0, 0, 0.0
+  optimizer = optimizer_lib.BuildOptimizer(optimizer_params, 1e-3)
+  optimizer.build(variables)
+  # Its own counters (iterations, learning rate) live with the controller.
+  slots = sum(_LeafBytes(v) for v in optimizer.variables
+              if v is not optimizer.iterations and
+              'learning_rate' not in v.name)
+  gradients = [tf.ones(v.shape, v.dtype) * 1e-3 for v in variables]
+
+  @tf.function
+  def Update(grads):
+    grads, _ = optimizer_lib.ClipGradients(grads, clip_gradient_norm)
+    optimizer.apply_gradients(zip(grads, variables))
+    return tf.constant(True)
+  Update(gradients)
+  peak, seconds = 0, float('inf')
+  for _ in range(_RECORDED_STEPS):
+    tf.config.experimental.reset_memory_stats(_ALLOCATOR)
+    before = tf.config.experimental.get_memory_info(_ALLOCATOR)['current']
+    start = time.perf_counter()
+    bool(Update(gradients))
+    seconds = min(seconds, time.perf_counter() - start)
+    peak = max(peak, tf.config.experimental.get_memory_info(
+        _ALLOCATOR)['peak'] - before)
+  del optimizer
+  return slots, max(0, peak), seconds
+
+
+def CellSignature(cell_params, input_shape, is_last):
+  """What makes two cells' memory equal: their layers without names or
+  seeds, their input shape, and whether the loss runs on them."""
+  text = '\n'.join(line for line in cell_params.ToText().splitlines()
+                   if not re.search(r'(^|\.)(name|random_seed) :', line))
+  return (text, repr(input_shape), bool(is_last))
+
+
+class ProfileRequest:
+  """What ProfileCells needs; picklable, so a subprocess can run it.
+
+  Attributes:
+    cells: the cell params, in pipeline order.
+    input_shapes: each cell's input shape (batch dim None).
+    inputs: an example batch of the first cell's input (numpy leaves).
+    targets: its targets (numpy leaves), or None.
+    loss_fn: the model's loss, picklable (e.g. a model builder's Loss).
+    micro_batch_sizes: the sizes to profile every cell at.
+    optimizer_params: the task's optimizer params.
+    clip_gradient_norm: the task's clipping.
+    positions: each cell's index in the pipeline; the first gets `inputs`,
+      the last the loss (default: the cells are the whole pipeline).
+    num_cells: the pipeline's number of cells (default: len(cells)).
+  """
+
+  def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
+               micro_batch_sizes, optimizer_params, clip_gradient_norm=1.0):
+    self.cells = list(cells)
+    self.input_shapes = list(input_shapes)
+    self.inputs = inputs
+    self.targets = targets
+    self.loss_fn = loss_fn
+    self.micro_batch_sizes = sorted(set(int(n) for n in micro_batch_sizes))
+    self.optimizer_params = optimizer_params
+    self.clip_gradient_norm = clip_gradient_norm
+    self.positions = list(range(len(self.cells)))
+    self.num_cells = len(self.cells)
+    # Instead of `inputs` and `targets`: input generator params whose first
+    # batch the profiling process reads (so the caller runs no TF op).
+    self.input_params = None
+
+  def Select(self, indices):
+    """Keeps only the cells at these pipeline positions."""
+    self.cells = [self.cells[i] for i in indices]
+    self.input_shapes = [self.input_shapes[i] for i in indices]
+    self.positions = [self.positions[i] for i in indices]
+
+
+def ProfileCells(request, log=None):
+  """A memory_model.CellProfile per cell of the request; equal cells once.
+
+  Must run in a process whose CPU allocator counts bytes
+  (CheckAllocatorCounts).
+  """
+  CheckAllocatorCounts()
+  if request.inputs is None and request.input_params is not None:
+    tf = _Tf()
+    dataset = request.input_params.Instantiate().GetDataset(0)
+    request.inputs, request.targets = tf.nest.map_structure(
+        lambda t: t.numpy(), next(iter(dataset)))
+  done = {}
+  profiles = []
+  last = request.num_cells - 1
+  for k, cell, shape in zip(request.positions, request.cells,
+                            request.input_shapes):
+    key = CellSignature(cell, shape, k == last)
+    if key not in done:
+      start = time.perf_counter()
+      measurements = []
+      for n in request.micro_batch_sizes:
+        inputs = (request.inputs if k == 0 else RandomInputs(shape, 1))
+        measurements.append(ProfileCell(
+            cell, inputs, request.targets, request.loss_fn, n, k == last,
+            request.optimizer_params, request.clip_gradient_norm))
+      done[key] = memory_model.CellProfile(measurements)
+      if log:
+        log(f'profiled cell {k} ({cell.name}) at micro-batch sizes '
+            f'{request.micro_batch_sizes} in '
+            f'{time.perf_counter() - start:.1f}s')
+    profiles.append(done[key])
+  return profiles
+
+
+def ProfileInSubprocess(request, timeout_s=900, log=None):
+  """ProfileCells in a fresh Python process with the BFC allocator.
+
+  Returns the list of CellProfile. Raises RuntimeError with the child's
+  error when it fails.
+  """
+  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory(prefix='tfpipe_profile_') as tmp:
+    request_path = os.path.join(tmp, 'request.pickle')
+    output_path = os.path.join(tmp, 'profiles.pickle')
+    with open(request_path, 'wb') as f:
+      pickle.dump(request, f)
+    env = memory_limit.CappedEnv(None)
+    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    env['PYTHONPATH'] = os.pathsep.join(
+        [root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+    proc = subprocess.run(
+        [sys.executable, '-m', 'tfpipe.gpipe.memory_profile', request_path,
+         output_path], env=env, capture_output=True, text=True,
+        timeout=timeout_s, check=False)
+    if log:
+      for line in proc.stdout.splitlines():
+        log(line)
+    if proc.returncode or not os.path.exists(output_path):
+      raise RuntimeError('Profiling the cells\' memory failed: ' +
+                         (proc.stderr.strip().splitlines() or ['?'])[-1])
+    with open(output_path, 'rb') as f:
+      return [memory_model.CellProfile.FromDict(p) for p in pickle.load(f)]
+
+
+def _Main(argv):
+  from tfpipe import quiet  # pylint: disable=g-import-not-at-top
+  quiet.ImportTensorFlow()
+  request_path, output_path = argv[1:3]
+  with open(request_path, 'rb') as f:
+    request = pickle.load(f)
+  profiles = ProfileCells(request, log=lambda line: print(line, flush=True))
+  with open(output_path, 'wb') as f:
+    pickle.dump([p.ToDict() for p in profiles], f)
+
+
+if __name__ == '__main__':
+  _Main(sys.argv)

@@ -1,0 +1,67 @@
+"""A hard memory limit for a CPU process: the CPU stand-in for an accelerator.
+
+GPipe's promise is a model that does not fit one accelerator trained on
+several, each with its own fixed memory. On CPU, TensorFlow's allocator
+becomes the BFC allocator with TF_CPU_ALLOCATOR_USE_BFC=true, and
+TF_CPU_BFC_MEM_LIMIT_IN_MB=N caps it: an allocation beyond N MiB fails with
+`ResourceExhaustedError: OOM when allocating tensor`, as on a GPU. Both are
+read once, when TensorFlow starts, so they belong in the environment of a
+process before it imports TensorFlow.
+
+One process per device, each capped, is then K accelerators of N MiB: the
+launcher's --device_memory_mb puts the limit in each worker's environment
+(and only there), the benchmarks and tests in their workers'. Logical CPU
+devices in one process share one allocator, so a cap in such a process is
+shared by all of them.
+
+The BFC allocator also counts: `tf.config.experimental.get_memory_info`
+reports the bytes in use and the peak, which the default CPU allocator does
+not.
+"""
+
+import os
+
+BFC_ENV = 'TF_CPU_ALLOCATOR_USE_BFC'
+LIMIT_ENV = 'TF_CPU_BFC_MEM_LIMIT_IN_MB'
+
+
+def CappedEnv(memory_mb, environ=None):
+  """A copy of `environ` (default os.environ) for a process with a limit.
+
+  Args:
+    memory_mb: the hard limit in MiB; None: the BFC allocator (which counts
+      bytes) with no limit of its own.
+    environ: the environment to start from.
+
+  Raises:
+    ValueError: memory_mb is not a positive integer.
+  """
+  env = dict(os.environ if environ is None else environ)
+  env[BFC_ENV] = 'true'
+  env.pop(LIMIT_ENV, None)
+  if memory_mb is not None:
+    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or (
+        memory_mb < 1):
+      raise ValueError('A device memory limit is a whole number of MiB >= 1. '
+                       f'Received: device_memory_mb={memory_mb!r}')
+    env[LIMIT_ENV] = str(memory_mb)
+  return env
+
+
+def UsesBfc(environ=None):
+  """True when this process's CPU allocator is BFC (read at TF's start)."""
+  env = os.environ if environ is None else environ
+  return env.get(BFC_ENV, '').strip().lower() in ('1', 'true')
+
+
+def LimitMb(environ=None):
+  """This process's hard CPU memory limit in MiB, or None if it has none."""
+  env = os.environ if environ is None else environ
+  if not UsesBfc(env):
+    return None
+  text = env.get(LIMIT_ENV, '').strip()
+  try:
+    value = int(text)
+  except ValueError:
+    return None
+  return value if value > 0 else None

@@ -1,0 +1,379 @@
+"""Finding out which device ran out of memory, wherever it is.
+
+When an allocation fails, TensorFlow knows exactly what happened: its C++
+log says `OOM when allocating tensor with shape[512,512] and type float on
+/job:worker/replica:0/task:1/device:CPU:0` (and which op asked). But the
+error a pipelined step raises is often another one: a multi-device graph
+that fails on one device is cancelled on the others, and the caller gets
+whichever status arrived first, typically `CancelledError: RecvAsync is
+cancelled`, in one process as from worker processes. So this module looks
+in three places:
+
+* the error chain (`FindInError`): enough when the failing call ran on one
+  device (executor='threads', a variable's creation);
+* this process's own C++ log (`StderrWatch`): TensorFlow's warnings are
+  read from fd 2 through a pipe; the out-of-memory records are kept and the
+  other warnings hidden, as TF_CPP_MIN_LOG_LEVEL=2 would (`KeepWarnings`
+  lowers it to 1 before TensorFlow starts);
+* each worker's log (`WorkerReport`): a worker watches its own stderr the
+  same way and appends what it sees to a small file on its host
+  (`ReportPath`); the controller reads that file through TensorFlow itself,
+  a `ReadFile` op placed on the worker's device (`AskWorkers`), so it works
+  across hosts with no channel besides the cluster's own.
+"""
+
+import atexit
+import collections
+import json
+import os
+import re
+import select
+import sys
+import threading
+import time
+
+LOG_LEVEL_ENV = 'TF_CPP_MIN_LOG_LEVEL'
+
+_OOM = re.compile(r'OOM when allocating tensor with shape\[([^\]]*)\] and '
+                  r'type (\w+) on (\S+) by allocator (\S+)')
+_RAN_OUT = re.compile(r'ran out of memory trying to allocate (\S+) .*?'
+                      r'requested by op (\S+)')
+# A C++ warning record: absl's "W0000 00:00:..." or TensorFlow's older
+# "2024-01-02 03:04:05.678901: W ...".
+_WARNING = re.compile(r'^(W\d{4} \d+:\d+:\d+\.\d+\s+\d+ \S+:\d+\] |'
+                      r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: W \S+:\d+\] )')
+# Any C++ log record's first line.
+_RECORD = re.compile(r'^([IWEF]\d{4} \d+:\d+:\d+\.\d+\s+\d+ \S+:\d+\] |'
+                     r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] \S+:\d+\] )')
+# Further lines of a multi-line warning (an allocator's, a cancelled step's).
+_CONTINUATION = re.compile(
+    r'^(\s|Hint: |If the cause is memory fragmentation|Current allocation '
+    r'summary follows|Additional GRPC error information|:UNKNOWN:Error '
+    r'received|This could happen if the remote target)')
+# Seconds a watch waits for the rest of a partial line.
+_PARTIAL_WAIT_S = 0.1
+
+
+class OutOfMemoryRecord(collections.namedtuple(
+    'OutOfMemoryRecord', ['device', 'shape', 'dtype', 'allocator', 'op',
+                          'requested'])):
+  """One failed allocation: where, of what, for which op (when known)."""
+
+  def Describe(self):
+    what = f'a tensor of shape [{self.shape}] ({self.dtype})'
+    if self.requested:
+      what += f', {self.requested}'
+    if self.op:
+      what += f', for op {self.op}'
+    return what
+
+
+def ParseRecords(text):
+  """The OutOfMemoryRecords in TensorFlow log or error text, in order.
+
+  An allocator's 'ran out of memory ... requested by op X' line names the
+  op of the 'OOM when allocating' record that follows it.
+  """
+  records, pending = [], None
+  for line in text.splitlines():
+    ran_out = _RAN_OUT.search(line)
+    if ran_out:
+      pending = ran_out
+      continue
+    oom = _OOM.search(line)
+    if oom:
+      records.append(OutOfMemoryRecord(
+          device=oom.group(3), shape=oom.group(1), dtype=oom.group(2),
+          allocator=oom.group(4),
+          op=pending.group(2) if pending else '',
+          requested=pending.group(1) if pending else ''))
+      pending = None
+  return records
+
+
+def IsOutOfMemoryError(error):
+  """True if `error` or an error it was raised from failed to allocate."""
+  return bool(FindInError(error)) or any(
+      type(e).__name__ == 'ResourceExhaustedError' for e in _Chain(error))
+
+
+def _Chain(error):
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def FindInError(error):
+  """The OutOfMemoryRecords named anywhere in an exception's chain."""
+  records = []
+  for e in _Chain(error):
+    for record in ParseRecords(str(e)):
+      if record not in records:
+        records.append(record)
+  return records
+
+
+_hidden = [False]
+
+
+def KeepWarnings(show_all):
+  """Makes TensorFlow log its warnings (out-of-memory records are ones).
+
+  Call before TensorFlow is imported. A TF_CPP_MIN_LOG_LEVEL the user set
+  wins; with `show_all` (--verbosity=1) everything is shown anyway.
+
+  Returns:
+    Whether a StderrWatch should hide the other warnings (the user did not
+    ask for them); WarningsHidden() says it again later.
+  """
+  if show_all or LOG_LEVEL_ENV in os.environ:
+    return _hidden[0]
+  os.environ[LOG_LEVEL_ENV] = '1'
+  _hidden[0] = True
+  return True
+
+
+def WarningsHidden():
+  """Whether KeepWarnings turned on warnings the user did not ask for."""
+  return _hidden[0]
+
+
+class StderrWatch:
+  """Reads this process's fd 2 through a pipe, keeping TensorFlow's
+  out-of-memory records.
+
+  Every line is written on to the real stderr as soon as it arrives, except
+  TensorFlow's C++ warnings when `hide_warnings` (they would not have
+  printed at the default log level). Stop() puts fd 2 back and writes out
+  whatever is left, so nothing printed before it is lost.
+  """
+
+  def __init__(self, hide_warnings=True, on_record=None):
+    self.hide_warnings = hide_warnings
+    self.records = []
+    self._on_record = on_record
+    self._saved = None
+    self._thread = None
+    self._read = None
+    self._lock = threading.Lock()
+    self._pending_op = ''
+    self._hiding = False
+
+  @property
+  def active(self):
+    return self._saved is not None
+
+  def Start(self):
+    """Points fd 2 at the pipe; returns self. Does nothing without fd 2."""
+    try:
+      saved = os.dup(2)
+    except OSError:
+      return self
+    read, write = os.pipe()
+    _Flush()
+    os.dup2(write, 2)
+    os.close(write)
+    self._saved, self._read = saved, read
+    self._thread = threading.Thread(target=self._Pump, daemon=True,
+                                    name='tfpipe-stderr-watch')
+    self._thread.start()
+    return self
+
+  def Stop(self):
+    """Puts fd 2 back and writes out what the pipe still holds."""
+    if self._saved is None:
+      return
+    _Flush()
+    os.dup2(self._saved, 2)  # Closes the pipe's last write end.
+    self._thread.join(timeout=5.0)
+    os.close(self._saved)
+    self._saved = None
+
+  def __enter__(self):
+    return self.Start()
+
+  def __exit__(self, *unused_exc):
+    self.Stop()
+
+  def _Pump(self):
+    buffer = b''
+    while True:
+      ready, _, _ = select.select([self._read], [], [],
+                                  _PARTIAL_WAIT_S if buffer else None)
+      if not ready:  # A partial line waited long enough: write it out.
+        self._Write(buffer)
+        buffer = b''
+        continue
+      chunk = os.read(self._read, 65536)
+      if not chunk:
+        break
+      buffer += chunk
+      *lines, buffer = buffer.split(b'\n')
+      for line in lines:
+        self._Line(line + b'\n')
+    if buffer:
+      self._Line(buffer)
+    os.close(self._read)
+
+  def _Line(self, raw):
+    text = raw.decode('utf-8', 'replace')
+    ran_out = _RAN_OUT.search(text)
+    if ran_out:
+      self._pending_op = text
+    elif _OOM.search(text):
+      for record in ParseRecords(self._pending_op + text):
+        with self._lock:
+          self.records.append(record)
+        if self._on_record:
+          self._on_record(record)
+      self._pending_op = ''
+    if self.hide_warnings:
+      if _WARNING.match(text):
+        self._hiding = True
+        return
+      if self._hiding and not _RECORD.match(text) and _CONTINUATION.match(
+          text):
+        return
+      self._hiding = False
+    self._Write(raw)
+
+  def _Write(self, data):
+    saved = self._saved
+    if saved is None or not data:
+      return
+    try:
+      os.write(saved, data)
+    except OSError:
+      pass
+
+  def Records(self):
+    with self._lock:
+      return list(self.records)
+
+
+def _Flush():
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (AttributeError, ValueError, OSError):
+      pass
+
+
+# ---- workers ---------------------------------------------------------------
+
+
+def ReportPath(job, task, address):
+  """Where a worker writes its out-of-memory records, on its own host."""
+  port = address.rsplit(':', 1)[-1]
+  return f'/tmp/tfpipe-oom-{job}-{task}-{port}.jsonl'
+
+
+class WorkerReport:
+  """A worker's StderrWatch, writing each record to ReportPath."""
+
+  def __init__(self, job, task, address, hide_warnings=True):
+    self.path = ReportPath(job, task, address)
+    try:
+      with open(self.path, 'w'):
+        pass
+    except OSError:
+      self.path = None
+    self.watch = StderrWatch(hide_warnings, on_record=self._Write)
+
+  def _Write(self, record):
+    if not self.path:
+      return
+    try:
+      with open(self.path, 'a') as f:
+        f.write(json.dumps({**record._asdict(), 'time': time.time()}) + '\n')
+    except OSError:
+      pass
+
+  def Start(self):
+    """Starts watching; the watch writes out what it holds at exit."""
+    self.watch.Start()
+    atexit.register(self.watch.Stop)
+    return self
+
+
+def StartWorkerReport(job, task, cluster_spec_text, show_all,
+                      environ=None):
+  """A worker's WorkerReport, started before TensorFlow (None if this
+  process is not a worker of a cluster spec or TF_CONFIG).
+
+  Reads the spec without TensorFlow, so that the log level can still be
+  lowered (KeepWarnings).
+  """
+  from tfpipe import cluster_spec  # pylint: disable=g-import-not-at-top
+  environ = os.environ if environ is None else environ
+  try:
+    if cluster_spec_text:
+      jobs = cluster_spec.ParseClusterJobs(cluster_spec_text)
+    else:
+      config = json.loads(environ.get('TF_CONFIG') or '{}')
+      jobs = config.get('cluster') or {}
+      job = job or (config.get('task') or {}).get('type')
+      task = (config.get('task') or {}).get('index') if task is None else task
+    address = jobs[job][task or 0]
+  except (KeyError, IndexError, TypeError, ValueError):
+    return None
+  if job == cluster_spec.CONTROLLER_JOB:
+    return None
+  hide = KeepWarnings(show_all)
+  return WorkerReport(job, task or 0, address, hide_warnings=hide).Start()
+
+
+def _WorkerDevice(job, task):
+  return f'/job:{job}/replica:0/task:{task}/device:CPU:0'
+
+
+def _Tasks(workers):
+  """(job, task, address) of [(task name '/job:worker/task:1', address)]."""
+  result = []
+  for name, address in workers:
+    match = re.fullmatch(r'/job:([^/]+)/task:(\d+)', name)
+    if match:
+      result.append((match.group(1), int(match.group(2)), address))
+  return result
+
+
+def ClearWorkerReports(workers):
+  """Empties each worker's report (a run's records start with the run)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  for job, task, address in _Tasks(workers):
+    try:
+      with tf.device(_WorkerDevice(job, task)):
+        tf.raw_ops.WriteFile(filename=ReportPath(job, task, address),
+                             contents='')
+    except (tf.errors.OpError, ValueError):
+      pass
+
+
+def AskWorkers(workers):
+  """{task name: [OutOfMemoryRecord]} of the workers that reported any.
+
+  Reads each worker's report with a ReadFile op on that worker: a worker
+  that does not answer, or has no report, adds nothing.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  found = {}
+  for job, task, address in _Tasks(workers):
+    try:
+      with tf.device(_WorkerDevice(job, task)):
+        text = tf.io.read_file(ReportPath(job, task, address))
+      text = text.numpy().decode('utf-8', 'replace')
+    except (tf.errors.OpError, ValueError):
+      continue
+    records = []
+    for line in text.splitlines():
+      try:
+        values = json.loads(line)
+      except ValueError:
+        continue
+      values.pop('time', None)
+      records.append(OutOfMemoryRecord(**values))
+    if records:
+      found[f'/job:{job}/task:{task}'] = records
+  return found

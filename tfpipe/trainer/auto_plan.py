@@ -1,0 +1,87 @@
+"""`--plan=auto`: the trainer asks gpipe.planner how to pipeline the experiment.
+
+Before anything runs, the experiment's layers are profiled (one short step
+per distinct layer, in a subprocess with a counting allocator; see
+gpipe.memory_profile), the planner picks the fastest configuration whose
+every device fits `--device_memory_mb`, the chosen cells are profiled as
+cells to check it (the next best is taken if they no longer fit), and the
+plan is written into the params: task.pipeline.num_partitions, balance (the
+layer counts of the cut), num_micro_batches, remat_policy, schedule and
+num_replicas. The plan and why it was chosen are printed. If nothing fits,
+the run stops there, naming the smallest per-device memory that would fit.
+"""
+
+from tfpipe.gpipe import memory_model
+from tfpipe.gpipe import planner
+from tfpipe.trainer import memory_report
+
+MIB = 2**20
+# Plans tried, best first, when the chosen cells profiled as cells no longer
+# fit (the layers' sum is an estimate).
+_MAX_REFINEMENTS = 3
+
+
+def ProfiledSizes(batch_size, num_devices, max_micro_batches=64):
+  """The micro-batch sizes to profile the layers at: the smallest and the
+  largest the planner considers (memory_model interpolates between)."""
+  smallest = max(1, batch_size // (num_devices * max_micro_batches))
+  return sorted({smallest, batch_size})
+
+
+def ApplyPlan(p, plan):
+  """Writes the plan into the experiment's pipeline params."""
+  p.task.pipeline.Set(
+      num_partitions=plan.num_partitions, balance=list(plan.layer_counts),
+      num_micro_batches=plan.num_micro_batches,
+      remat_policy=plan.remat_policy, schedule=plan.schedule,
+      num_replicas=plan.num_replicas)
+
+
+def Choose(p, devices, log=print, example=None):
+  """Plans the experiment for `devices` (a planner.Devices); applies and
+  returns the PipelinePlan.
+
+  Runs no TensorFlow op in this process (profiles run in a subprocess,
+  unless `example`, a numpy (inputs, targets) batch, is given and this
+  process's allocator counts), so devices can still be set up after it.
+
+  Raises:
+    planner.NoPlanError: nothing fits; its message names the smallest
+      per-device memory that would.
+  """
+  batch_size = p.input.batch_size
+  sizes = ProfiledSizes(batch_size, devices.count)
+  log(f'Planning for {devices.count} device(s) of '
+      f'{devices.memory_bytes / MIB:.0f} MiB: profiling the layers at '
+      f'micro-batch sizes {sizes}...')
+  profiles = memory_report.PlannerProfiles(p, sizes, example, log=None)
+  step = memory_report.StepConfig(p, example)
+  plans = planner.CandidatePlans(
+      profiles, devices, batch_size,
+      input_example_bytes=step.input_example_bytes,
+      target_example_bytes=step.target_example_bytes)
+  for plan in plans[:_MAX_REFINEMENTS]:
+    candidate = p.Copy()
+    ApplyPlan(candidate, plan)
+    n = sorted(set(memory_model.MicroBatchSizes(
+        batch_size // plan.num_replicas, plan.num_micro_batches)))
+    cells = memory_report.Profile(memory_report.ProfileRequest(
+        candidate, micro_batch_sizes=n, example=example))
+    refined = planner.Refine(plan, cells, devices, batch_size,
+                             step.input_example_bytes,
+                             step.target_example_bytes)
+    if refined is None:
+      log(f'  {plan.num_partitions} partition(s), M='
+          f'{plan.num_micro_batches}, {plan.remat_policy}, {plan.schedule}: '
+          'its cells, profiled as cells, do not fit; trying the next.')
+      continue
+    best = planner.Explain([refined] + [q for q in plans if q is not plan],
+                           devices)
+    ApplyPlan(p, best)
+    log(best.Describe())
+    return best
+  raise planner.NoPlanError(
+      f'The {_MAX_REFINEMENTS} fastest plans predicted to fit '
+      f'{devices.memory_bytes / MIB:.0f} MiB do not fit once their cells '
+      'are profiled; give more memory or devices.',
+      devices.memory_bytes)

@@ -1,0 +1,162 @@
+"""The trainer's per-device memory budget: its flags, and where it is used.
+
+    --device_memory_mb=N   each device's memory: what --plan=auto plans for,
+                           what --mode=inspect_model compares each device's
+                           predicted peak with, and what an out-of-memory
+                           error quotes. The launcher passes its own (each
+                           worker's hard limit) to the controller.
+    --plan=auto            let gpipe.planner choose K, R, the cut, M, the
+                           remat policy and the schedule (auto_plan).
+    --neighbour_bandwidth_mbps
+                           the planner's transfer speed between devices.
+
+Also here: the out-of-memory watch of this process (tfpipe.out_of_memory),
+started before TensorFlow so that its warnings are logged, and the
+Diagnosis a training run is wrapped in.
+"""
+
+import json
+import os
+
+from absl import flags
+
+from tfpipe import cluster_spec
+from tfpipe import memory_limit
+from tfpipe import multihost
+from tfpipe import out_of_memory
+from tfpipe.trainer import out_of_memory as trainer_oom
+
+MIB = 2**20
+
+
+def DefineFlags():
+  flags.DEFINE_integer(
+      'device_memory_mb', None, 'Memory of each device in MiB: the budget '
+      '--plan=auto plans for and --mode=inspect_model compares each '
+      'device\'s predicted peak with (the launcher passes each worker\'s '
+      'hard limit).', lower_bound=1)
+  flags.DEFINE_enum('plan', 'none', ['none', 'auto'],
+                    'auto: choose partitions, replicas, the cut, '
+                    'micro-batches, remat policy and schedule that fit '
+                    '--device_memory_mb and train fastest (gpipe.planner).')
+  flags.DEFINE_float('neighbour_bandwidth_mbps', None,
+                     'Bandwidth between neighbouring devices in MB/s, for '
+                     'the planner\'s transfer times (default: free).',
+                     lower_bound=0.001)
+
+
+class _NoWatch:
+
+  def Stop(self):
+    pass
+
+  def Records(self):
+    return []
+
+
+def WatchThisProcess(flag_values, show_startup_log):
+  """Starts this process's out-of-memory watch; call before TensorFlow.
+
+  A worker watches itself while it serves (multihost) and a controller asks
+  its workers, so only a single-process run watches here.
+  """
+  role = _Role(flag_values)
+  if role == cluster_spec.CONTROLLER_JOB:
+    return _NoWatch()
+  if role:
+    report = out_of_memory.StartWorkerReport(
+        flag_values.job, flag_values.task, flag_values.cluster_spec,
+        show_startup_log)
+    return report.watch if report else _NoWatch()
+  hide = out_of_memory.KeepWarnings(show_startup_log)
+  return out_of_memory.StderrWatch(hide_warnings=hide).Start()
+
+
+def _Role(flag_values):
+  """This process's job in a cluster ('' for none), without TensorFlow."""
+  if flag_values.job:
+    return flag_values.job
+  try:
+    config = json.loads(os.environ.get('TF_CONFIG') or '{}')
+  except ValueError:
+    return ''
+  return (config.get('task') or {}).get('type', '') if config.get(
+      'cluster') else ''
+
+
+def _Devices(p, flag_values):
+  """(number of devices, whether they compute at the same time) for a plan."""
+  from tfpipe import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  resolved = multihost.ClusterFromFlags(flag_values)
+  if resolved is not None:
+    workers = cluster_spec.JobTasks(resolved[0], cluster_spec.WORKER_JOB)
+    # TensorFlow runs one graph's stages on CPU workers one after another.
+    return (len(workers) * flag_values.devices_per_worker,
+            p.task.pipeline.executor == 'threads')
+  device_type = devices_lib.ChooseDeviceType(flag_values.run_locally)
+  if flag_values.num_devices:
+    return flag_values.num_devices, device_type == 'GPU'
+  if device_type == 'GPU':
+    return len(devices_lib.VisibleGpus()), True
+  raise ValueError('--plan=auto needs the number of devices: pass '
+                   '--num_devices (or run under tfpipe.launcher, whose '
+                   'workers are the devices).')
+
+
+def PlanIfAsked(p, flag_values, log=print):
+  """Applies --plan=auto to the params (before any device is set up).
+
+  Raises:
+    ValueError: no budget, or no device count.
+    gpipe.planner.NoPlanError: nothing fits.
+  """
+  if flag_values.plan != 'auto':
+    return None
+  from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import auto_plan  # pylint: disable=g-import-not-at-top
+  if not flag_values.device_memory_mb:
+    raise ValueError('--plan=auto plans for a per-device memory: pass '
+                     '--device_memory_mb.')
+  count, concurrent = _Devices(p, flag_values)
+  bandwidth = flag_values.neighbour_bandwidth_mbps
+  devices = planner.Devices(
+      count=count, memory_bytes=flag_values.device_memory_mb * MIB,
+      bandwidth_bytes_per_s=bandwidth * 1e6 if bandwidth else None,
+      concurrent=concurrent)
+  return auto_plan.Choose(p, devices, log=log)
+
+
+def InspectLines(p, flag_values, devices):
+  """inspect_model's memory section, when a budget is known (profiling the
+  cells takes seconds, so it is not printed otherwise)."""
+  budget = flag_values.device_memory_mb or memory_limit.LimitMb()
+  if not budget:
+    return []
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  example = memory_report.ExampleBatch(p)
+  profiles = memory_report.Profile(memory_report.ProfileRequest(
+      p, example=example))
+  peaks = memory_report.PredictPeaks(p, profiles, example)
+  return memory_report.BudgetLines(p, peaks, budget, devices)
+
+
+def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
+  """The trainer_oom.Diagnosis of a training run."""
+  shared = False
+  limit = flag_values.device_memory_mb
+  if controller is None and memory_limit.LimitMb():
+    limit, shared = memory_limit.LimitMb(), True
+  elif split is not None and split.memory_limit_mb and not limit:
+    limit = split.memory_limit_mb
+
+  def Predict():
+    from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+    example = memory_report.ExampleBatch(p)
+    profiles = memory_report.Profile(memory_report.ProfileRequest(
+        p, example=example))
+    return memory_report.PredictPeaks(p, profiles, example)
+  return trainer_oom.Diagnosis(
+      p, devices, limit_mb=limit, shared_limit=shared,
+      workers=controller.workers if controller else None,
+      watch=watch if isinstance(watch, out_of_memory.StderrWatch) else None,
+      predict=Predict, last_good=last_good)

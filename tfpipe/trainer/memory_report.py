@@ -1,0 +1,184 @@
+"""What the memory model predicts for an experiment, device by device.
+
+The bridge between an experiment's params (the trainer's `p`) and
+gpipe.memory_model: the experiment's cells are profiled once (one short
+step per distinct cell, gpipe.memory_profile, in a subprocess with a
+counting allocator unless this process has one), with an example batch of
+its own input and its own loss and optimizer; the walk of the schedule then
+gives each device's peak. `--mode=inspect_model` prints it next to the
+budget (`BudgetLines`), the planner plans from the same profiles, and an
+out-of-memory error quotes it.
+"""
+
+import math
+
+from tfpipe import cost_model
+from tfpipe import memory_limit
+from tfpipe.gpipe import memory_model
+from tfpipe.gpipe import memory_profile
+from tfpipe.gpipe import partition
+from tfpipe.trainer import task as task_lib
+
+MIB = 2**20
+
+
+def CellInputShapes(cells, input_shape):
+  """Each cell's input shape (batch dim as given), from the cost model."""
+  shapes, shape = [], input_shape
+  for cell in cells:
+    shapes.append(shape)
+    metas = partition.LayerCosts(list(cell.sub), shape)
+    shape = metas[-1].output_shape
+  return shapes
+
+
+def ExampleBatch(p):
+  """One batch of the experiment's training input, as numpy leaves."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  dataset = p.input.Instantiate().GetDataset(0)
+  inputs, targets = next(iter(dataset))
+  return (tf.nest.map_structure(lambda t: t.numpy(), inputs),
+          tf.nest.map_structure(lambda t: t.numpy(), targets))
+
+
+def ReplicaBatchSize(p):
+  """N: the examples one replica's step splits into micro-batches."""
+  return p.input.batch_size // p.task.pipeline.num_replicas
+
+
+def StepMicroBatchSizes(p):
+  """The micro-batch sizes the experiment's step runs."""
+  return sorted(set(memory_model.MicroBatchSizes(
+      ReplicaBatchSize(p), p.task.pipeline.num_micro_batches)))
+
+
+def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None):
+  """A memory_profile.ProfileRequest for the experiment's cells.
+
+  Args:
+    p: the experiment params.
+    cells: the cell params (default: the experiment's own cut).
+    micro_batch_sizes: sizes to profile (default: the step's).
+    example: (inputs, targets) numpy batch; None: the profiling process
+      reads one of p.input's (this process runs no TensorFlow op).
+  """
+  model = p.task.model.Instantiate()
+  if cells is None:
+    cells = task_lib.PartitionCells(p.task, model)
+  inputs, targets = example if example is not None else (None, None)
+  request = memory_profile.ProfileRequest(
+      cells, CellInputShapes(cells, model.InputShape()), inputs, targets,
+      model.Loss, micro_batch_sizes or StepMicroBatchSizes(p),
+      p.task.train.optimizer, p.task.train.clip_gradient_norm)
+  if example is None:
+    request.input_params = p.input
+  return request
+
+
+def Profile(request, log=None):
+  """The request's CellProfiles: in this process if its allocator counts
+  bytes and has no limit (a benchmark's), else in a subprocess that does."""
+  if memory_limit.UsesBfc() and memory_limit.LimitMb() is None:
+    return memory_profile.ProfileCells(request, log=log)
+  return memory_profile.ProfileInSubprocess(request, log=log)
+
+
+def _DtypeSize(dtype):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  try:
+    return np.dtype(dtype).itemsize
+  except TypeError:
+    return 4
+
+
+def _ExampleBytes(structure, batch_size):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  total = sum(np.asarray(t).nbytes for t in tf.nest.flatten(structure))
+  return total / max(batch_size, 1)
+
+
+def StepConfig(p, example=None):
+  """The memory_model.StepConfig of the experiment's step (one replica)."""
+  pp = p.task.pipeline
+  devices = list(pp.devices or [])[:pp.num_partitions]
+  device_of_cell = None
+  if devices and len(set(devices)) < len(devices):
+    unique = list(dict.fromkeys(devices))
+    device_of_cell = [unique.index(d) for d in devices]
+  if example is not None:
+    batch = p.input.batch_size
+    input_bytes = _ExampleBytes(example[0], batch)
+    target_bytes = _ExampleBytes(example[1], batch)
+  else:  # From the model's input shape; targets are small next to it.
+    model = p.task.model.Instantiate()
+    input_bytes = cost_model.NumElements(model.InputShape(), 1) * (
+        _DtypeSize(model.InputDtype()))
+    target_bytes = 0.0
+  return memory_model.StepConfig(
+      schedule=pp.schedule, num_micro_batches=pp.num_micro_batches,
+      batch_size=ReplicaBatchSize(p), remat_policy=pp.remat_policy,
+      device_of_cell=device_of_cell, input_example_bytes=input_bytes,
+      target_example_bytes=target_bytes)
+
+
+def PredictPeaks(p, profiles, example=None):
+  """Each device's memory_model.DevicePeak for the experiment's step."""
+  return memory_model.PredictPeaks(profiles, StepConfig(p, example))
+
+
+def BudgetLines(p, peaks, budget_mb=None, devices=None):
+  """inspect_model's memory section: per device, prediction and budget.
+
+    device    cells   predicted   budget   fits   largest moment
+    /CPU:0    cell0     41.2 MiB   64 MiB   yes   B3.0: variables ...
+  """
+  header = (f'Predicted peak memory per device (memory model: one profiled '
+            f'step per distinct cell; schedule={p.task.pipeline.schedule}, '
+            f'M={p.task.pipeline.num_micro_batches}, '
+            f'remat={p.task.pipeline.remat_policy})')
+  lines = [header,
+           f'{"device":<12} {"cells":<10} {"predicted":>11} {"budget":>9} '
+           f'{"fits":>4}  at its peak']
+  for peak in peaks:
+    device = devices[peak.cells[0]] if devices else f'device {peak.device}'
+    budget = f'{budget_mb} MiB' if budget_mb else '-'
+    fits = ('-' if not budget_mb else
+            'yes' if peak.peak_bytes <= budget_mb * MIB else 'NO')
+    cells = ','.join(f'cell{k}' for k in peak.cells)
+    lines.append(f'{device:<12} {cells:<10} '
+                 f'{peak.peak_bytes / MIB:>7.1f} MiB {budget:>9} {fits:>4}  '
+                 f'{peak.Describe()}')
+  if budget_mb and any(peak.peak_bytes > budget_mb * MIB for peak in peaks):
+    lines.append(
+        f'Some device does not fit its {budget_mb} MiB: raise '
+        '--num_partitions or --num_micro_batches, use --remat_policy=always '
+        'or --balance=memory, or let --plan=auto choose.')
+  return lines
+
+
+def SmallestBudgetMb(peaks):
+  """The smallest per-device memory, in whole MiB, that holds every peak."""
+  return int(math.ceil(max(p.peak_bytes for p in peaks) / MIB))
+
+
+def LayerCells(p):
+  """Each layer of the experiment's model as a one-layer cell (the planner's
+  unit)."""
+  from tfpipe.gpipe import cell as cell_lib  # pylint: disable=g-import-not-at-top
+  model = p.task.model.Instantiate()
+  layers = partition.FlattenSequentialLayers(
+      task_lib.SeededLayerParams(model, p.task.random_seed))
+  return [cell_lib.FeatureExtractionLayer.Params().Set(name=f'layer{i}',
+                                                       sub=[layer.Copy()])
+          for i, layer in enumerate(layers)]
+
+
+def PlannerProfiles(p, micro_batch_sizes, example=None, log=None):
+  """gpipe.planner.LayerProfiles of the experiment's layers."""
+  from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+  request = ProfileRequest(p, cells=LayerCells(p),
+                           micro_batch_sizes=micro_batch_sizes,
+                           example=example)
+  profiles = Profile(request, log=log)
+  return planner.LayerProfiles(profiles, profiles[-1])

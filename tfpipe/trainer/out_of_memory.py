@@ -1,0 +1,196 @@
+"""Out of memory, said plainly: which device, which cells, what to change.
+
+When a device runs out of memory, TensorFlow's error rarely says so (see
+tfpipe.out_of_memory: the step usually fails with `RecvAsync is
+cancelled`). The trainer wraps the run in a `Diagnosis`, which finds the
+failed allocation (in the error, in this process's own TensorFlow log, or
+in the workers' reports) and turns it into one `ERROR:` line:
+
+    Out of memory on /job:worker/replica:0/task:1/device:CPU:0, which runs
+    cell1 (block_2, block_3, logits): it could not allocate a tensor of
+    shape [64,32,512] (float). Its limit is 24 MiB; the memory model
+    predicted 31.2 MiB for it (at B3.1: ...). To fit, try more partitions
+    (--num_partitions=4), ... or --plan=auto. The last good checkpoint,
+    .../ckpt-20, is kept.
+
+and exit status EXIT_OUT_OF_MEMORY. Nothing is saved from the failed step,
+so the last good checkpoint is untouched (the train loop saves only after
+a step succeeds).
+"""
+
+import os
+import re
+
+from tfpipe import device_names
+from tfpipe import memory_limit
+from tfpipe import out_of_memory
+
+# Exit status of a run that stopped because a device ran out of memory (or
+# that --plan=auto found nothing that fits). 1 is every other stop, 3 a lost
+# worker.
+EXIT_OUT_OF_MEMORY = 4
+MIB = 2**20
+
+
+class OutOfMemoryStop(Exception):
+  """A device ran out of memory; the message says which and what to do."""
+
+  exit_status = EXIT_OUT_OF_MEMORY
+
+
+def LastGood(path, checkpoint_dir=None):
+  """The sentence about the checkpoints a stopped run leaves.
+
+  Args:
+    path: the newest good checkpoint the run knew of, if any.
+    checkpoint_dir: where to look when the run stopped before knowing.
+  """
+  if path:
+    return f'The last good checkpoint, {path}, is kept.'
+  numbers = []
+  if checkpoint_dir and os.path.isdir(checkpoint_dir):
+    numbers = [int(m.group(1)) for m in (
+        re.fullmatch(r'ckpt-(\d+)\.index', name)
+        for name in os.listdir(checkpoint_dir)) if m]
+  if numbers:
+    return (f'The checkpoints in {checkpoint_dir} (the newest '
+            f'ckpt-{max(numbers)}) were not touched.')
+  return 'No checkpoint was written or changed.'
+
+
+def Advice(pipeline_p, num_devices=None):
+  """What would lower a device's peak, given the pipeline's settings."""
+  k = pipeline_p.num_partitions
+  ideas = []
+  if num_devices is None or num_devices > k * pipeline_p.num_replicas:
+    ideas.append(f'more partitions (--num_partitions={2 * k})')
+  if pipeline_p.remat_policy != 'always':
+    ideas.append('--remat_policy=always')
+  ideas.append(f'more micro-batches (--num_micro_batches='
+               f'{2 * pipeline_p.num_micro_batches})')
+  if pipeline_p.schedule == 'gpipe' and pipeline_p.remat_policy != 'always':
+    ideas.append('--schedule=1f1b')
+  if pipeline_p.balance != 'memory':
+    ideas.append('--balance=memory')
+  ideas.append('--plan=auto with --device_memory_mb')
+  return 'To fit, try ' + ', '.join(ideas[:-1]) + ', or ' + ideas[-1] + '.'
+
+
+class Diagnosis:
+  """Turns a failed run's error into an OutOfMemoryStop, if it was one."""
+
+  def __init__(self, p, devices, limit_mb=None, shared_limit=False,
+               workers=None, watch=None, predict=None, last_good=None):
+    """Args:
+      p: the experiment params.
+      devices: the pipeline's R*K device names (replica-major).
+      limit_mb: each device's limit, if known.
+      shared_limit: the devices share one allocator (logical CPU devices of
+        this process), whose limit is limit_mb.
+      workers: [(task name, address)] of a controller's workers, to ask.
+      watch: this process's out_of_memory.StderrWatch, if any.
+      predict: fn() -> [memory_model.DevicePeak] of the step (may be slow;
+        called only after an out-of-memory error).
+      last_good: fn() -> the sentence about the last good checkpoint.
+    """
+    self.p = p
+    self.devices = list(devices)
+    self.limit_mb = limit_mb
+    self.shared_limit = shared_limit
+    self.workers = workers
+    self.watch = watch
+    self._predict = predict
+    self._last_good = last_good
+
+  def Records(self, error):
+    """The failed allocations behind `error` (empty if it was not one)."""
+    records = out_of_memory.FindInError(error)
+    if not records and self.watch is not None:
+      records = self.watch.Records()
+    if not records and self.workers:
+      for found in out_of_memory.AskWorkers(self.workers).values():
+        records.extend(found)
+    if not records and out_of_memory.IsOutOfMemoryError(error):
+      records = [out_of_memory.OutOfMemoryRecord('', '?', '?', '', '', '')]
+    return records
+
+  def Check(self, error):
+    """An OutOfMemoryStop describing `error`, or None if it was not one."""
+    records = self.Records(error)
+    if not records:
+      return None
+    return OutOfMemoryStop(self.Message(records[0]))
+
+  def _Cells(self, device):
+    """(cell index, 'cell1 (a, b)') of the cell on the device, or None."""
+    k_cells = self.p.task.pipeline.num_partitions
+    for slot, name in enumerate(self.devices):
+      try:
+        same = device_names.SameDevice(name, device)
+      except ValueError:
+        same = False
+      if same:
+        k = slot % k_cells
+        return k, f'cell{k} ({", ".join(self._LayerNames(k))})'
+    return None
+
+  def _LayerNames(self, k):
+    from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
+    try:
+      cells = task_lib.PartitionCells(self.p.task,
+                                      self.p.task.model.Instantiate())
+      return [layer.name for layer in cells[k].sub]
+    except (ValueError, IndexError, AttributeError):
+      return ['?']
+
+  def Message(self, record):
+    pp = self.p.task.pipeline
+    device = record.device or 'a device'
+    found = self._Cells(record.device) if record.device else None
+    if self.shared_limit:
+      where = (f'Out of memory in this process, whose '
+               f'{len(set(self.devices))} logical devices share one '
+               'allocator')
+      if found:
+        where += f' (on {device}, which runs {found[1]})'
+    else:
+      where = f'Out of memory on {device}'
+      if found:
+        where += f', which runs {found[1]}'
+    parts = [where + (f': it could not allocate {record.Describe()}.'
+                      if record.shape != '?' else '.')]
+    limit = ''
+    if self.limit_mb:
+      limit = (f'Its limit is {self.limit_mb} MiB' if not self.shared_limit
+               else f'The process\'s limit is {self.limit_mb} MiB '
+               f'({memory_limit.LIMIT_ENV})')
+    prediction = self._Prediction(found)
+    if limit and prediction:
+      parts.append(f'{limit}; {prediction}.')
+    elif limit or prediction:
+      parts.append(f'{limit or prediction[0].upper() + prediction[1:]}.')
+    parts.append(Advice(pp))
+    if self._last_good:
+      parts.append(self._last_good().strip())
+    return ' '.join(parts)
+
+  def _Prediction(self, found):
+    if self._predict is None:
+      return ''
+    try:
+      peaks = self._predict()
+    except Exception as e:  # pylint: disable=broad-except
+      return f'the memory model could not predict it ({type(e).__name__})'
+    if self.shared_limit:
+      total = sum(peak.peak_bytes for peak in peaks)
+      return (f'the memory model predicted {total / MIB:.1f} MiB for its '
+              f'{len(peaks)} devices together')
+    if found is None:
+      worst = max(peaks, key=lambda peak: peak.peak_bytes)
+      return (f'the memory model\'s largest prediction is device '
+              f'{worst.device}: {worst.Describe()}')
+    k = found[0]
+    peak = next((peak for peak in peaks if k in peak.cells), None)
+    if peak is None:
+      return ''
+    return f'the memory model predicted {peak.Describe()}'
