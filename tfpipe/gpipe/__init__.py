@@ -16,8 +16,10 @@ from tfpipe import lazy_exports
 # Submodules are imported on first use: see tfpipe/lazy_exports.py.
 __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
     'cell': ['FeatureExtractionLayer'],
+    'cell_runtime': [],
     'cell_devices': ['DefaultDevices', 'ResolveDevices'],
     'dispatch': [],
+    'loss': ['LossAndGradients'],
     'microbatch': [],
     'partition': [
         'BlockPartition',
@@ -36,5 +38,5 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
         'ZeroBubbleH1Schedule',
     ],
     'split_backward': [],
-    'stage': ['LossAndGradients'],
+    'tape_path': [],
 })

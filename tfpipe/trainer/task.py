@@ -17,7 +17,7 @@ from tfpipe import base_layer
 from tfpipe import gpipe
 from tfpipe import hyperparams
 from tfpipe import placement
-from tfpipe.gpipe import stage as stage_lib
+from tfpipe.gpipe import loss as loss_lib
 from tfpipe.trainer import optimizer as optimizer_lib
 
 
@@ -274,7 +274,7 @@ class BaseTask:
     with tf.device(self.pipe.cell_devices[-1]):
       # The whole batch at once: a mean is the mean, a (sum, weight) pair
       # is divided here, as the pipeline divides it in training.
-      parts = stage_lib.ParseLoss(self.model.Loss(outputs, targets), 1.0,
+      parts = loss_lib.ParseLoss(self.model.Loss(outputs, targets), 1.0,
                                   1.0)
       scale = 1.0 / parts.weight if parts.is_sum else 1.0
       result = {'loss': parts.numerator * scale}
