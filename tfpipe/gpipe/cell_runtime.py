@@ -135,13 +135,18 @@ class KeptResiduals:
 
 @dataclasses.dataclass
 class KeptInput:
-  """F kept only the cell's input; the backward runs the forward again."""
+  """F kept only the cell's input; the backward runs the forward again.
+
+  On the last cell F also kept d loss / d output (`output_gradients`), so
+  the backward recomputes the cell without calling loss_fn again.
+  """
   program: Any
-  inputs: list  # the forward's flat inputs (input, seed, offset, targets)
+  inputs: list  # the forward's flat inputs (input, seed, offset)
+  output_gradients: list = None
 
   @property
   def tensors(self):
-    return list(self.inputs)
+    return list(self.inputs) + list(self.output_gradients or [])
 
 
 @dataclasses.dataclass
@@ -307,6 +312,8 @@ class _Program:
     self._training = training
     self._loss_fn = loss_fn
     self._forward = None
+    self._loss_gradient = None
+    self.num_forward = None
     self._whole = {}       # need_dx -> (concrete function, _Backward)
     self._cuts = {}        # need_dx -> SplitProgram or None
     self.actions = {}      # accumulating wrappers, see CellRuntime._Accumulating
@@ -320,21 +327,31 @@ class _Program:
       full[i] = t
     return tf.nest.pack_sequence_as(self._structure, full)
 
-  def _Trace(self, inputs, output_gradients, need_dx, with_backward, marks):
+  def _Loss(self, y, loss):
+    targets, scale, batch_size = loss
+    parts = loss_lib.ParseLoss(
+        loss_lib.CallLossFn(self._loss_fn, y, targets,
+                            f'the output of cell {self._cell.index}'),
+        scale, batch_size)
+    self.is_sum = parts.is_sum
+    return parts
+
+  def _Trace(self, inputs, output_gradients, need_dx, mode, marks):
     """The cell's forward (and backward); returns flat outputs.
 
     Outputs: the forward's (y's leaves, or the loss's numerator, metrics and
-    weight), the statistics' leaves, then with the backward the input's
-    float leaves' gradients and the connected variables' gradients.
+    weight) and the statistics' leaves; then for mode 'loss_gradient' d
+    numerator / d y's float leaves, for mode 'whole' the input's float
+    leaves' gradients and the connected variables' gradients.
     """
     x, seed, offset, loss = self._Unflatten(inputs)
     x_float, rebuild = SplitFloat(x)
     watched = list(x_float) if need_dx else []
     collector = _RecordingCollector()
-    tape = (tf.GradientTape(watch_accessed_variables=False) if with_backward
-            else contextlib.nullcontext())
-    with tape:
-      if with_backward:
+    tape = tf.GradientTape(watch_accessed_variables=False)
+    extra = []
+    with tape if mode == 'whole' else contextlib.nullcontext():
+      if mode == 'whole':
         tape.watch(watched)
         tape.watch(self.variables)
       with base_layer.StepSeed(seed, offset), (
@@ -344,13 +361,17 @@ class _Program:
       if loss is None:
         forward = y
         target = SplitFloat(y)[0]
+      elif mode == 'loss_gradient':
+        y_float, rebuild_y = SplitFloat(y)
+        with tf.GradientTape(watch_accessed_variables=False) as loss_tape:
+          loss_tape.watch(y_float)
+          parts = self._Loss(rebuild_y(y_float), loss)
+        extra = loss_tape.gradient(
+            parts.numerator, y_float,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
       else:
-        targets, scale, batch_size = loss
-        parts = loss_lib.ParseLoss(
-            loss_lib.CallLossFn(self._loss_fn, y, targets,
-                                f'the output of cell {self._cell.index}'),
-            scale, batch_size)
-        self.is_sum = parts.is_sum
+        parts = self._Loss(y, loss)
+      if loss is not None:
         forward = (parts.numerator, parts.metrics, parts.weight)
         target = [parts.numerator]
     self.stat_layers[:] = [layer for layer, _, _ in collector.entries]
@@ -358,8 +379,9 @@ class _Program:
     self.output_structure = (forward, stats)
     flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten((forward, stats))
             if t is not None]
-    if not with_backward:
-      return flat
+    self.num_forward = len(flat)
+    if mode != 'whole':
+      return flat + [_Dense(g) for g in extra]
     marks.update(forward=flat, forward_end=len(
         tf.compat.v1.get_default_graph().get_operations()))
     grads = tape.gradient(target, watched + list(self.variables),
@@ -384,9 +406,19 @@ class _Program:
     """The forward alone: flat inputs -> forward outputs and statistics."""
     if self._forward is None:
       self._forward = self._Function(
-          lambda *inputs: self._Trace(inputs, [], False, False, {}),
+          lambda *inputs: self._Trace(inputs, [], False, 'forward', {}),
           self.specs)
     return self._forward
+
+  def LossGradient(self):
+    """The last cell's forward, loss and d numerator / d output: what a
+    re-materialized last cell keeps, so that its backward recomputes the
+    cell but never calls loss_fn again (it may update metrics)."""
+    if self._loss_gradient is None:
+      self._loss_gradient = self._Function(
+          lambda *inputs: self._Trace(inputs, [], False, 'loss_gradient', {}),
+          self.specs)
+    return self._loss_gradient
 
   def Whole(self, need_dx):
     """(function, Backward): flat inputs and d loss / d outputs -> forward
@@ -404,8 +436,8 @@ class _Program:
       marks = {}
       n = len(self.specs)
       function = self._Function(
-          lambda *args: self._Trace(args[:n], list(args[n:]), need_dx, True,
-                                    marks),
+          lambda *args: self._Trace(args[:n], list(args[n:]), need_dx,
+                                    'whole', marks),
           list(self.specs) + dy_specs)
       graph = function.graph
       inputs = [t for t in graph.inputs[:n + len(dy_specs)]]
@@ -414,8 +446,7 @@ class _Program:
           output_gradients=inputs[n:], input_gradients=marks['dx'],
           weight_gradients=marks['weights'],
           forward_end=marks['forward_end'])
-      self._whole[need_dx] = (function, _Backward(
-          traced, marks['connected'], len(marks['forward'])))
+      self._whole[need_dx] = (function, _Backward(traced, marks['connected']))
     return self._whole[need_dx]
 
   def Cut(self, need_dx):
@@ -453,7 +484,6 @@ class _Backward:
   """What the whole trace says about its backward."""
   traced: split_backward.Traced
   connected: List[int]     # indices of the variables with a gradient
-  num_forward: int         # forward outputs and statistics, flat
 
 
 def _Pad(structure, flat):
@@ -557,7 +587,8 @@ class CellRuntime:
         raise
       raise self._describe_error(self.index, x, e) from e
 
-  def _Accumulating(self, program, function, num_weights, connected, modes):
+  def _Accumulating(self, program, function, num_weights, connected, modes,
+                    pack):
     """`function`'s call and the accumulation of its last `num_weights`
     outputs, the gradients of variables `connected`, as one concrete
     function: (*flat) -> the other outputs, the gradients kept as they are
@@ -570,8 +601,8 @@ class CellRuntime:
         with tf.device(self.device):
           outputs = _List(function(*flat))
           split = len(outputs) - num_weights
-          updates, kept = self.accumulators.Add(variables, outputs[split:],
-                                                modes)
+          updates, kept = self.accumulators.Add(
+              variables, pack(outputs[split:]), modes)
           with tf.control_dependencies(updates):
             done = tf.constant(True)
           return outputs[:split] + kept + [done]
@@ -582,14 +613,15 @@ class CellRuntime:
     return program.actions[key][1]
 
   def _CallAccumulating(self, program, function, num_weights, connected,
-                        gradients, args):
-    """Runs `function` on `args` and accumulates its weight gradients.
+                        gradients, args, pack=list):
+    """Runs `function` on `args` and accumulates its weight gradients, its
+    last `num_weights` outputs (made gradients by `pack`).
 
     Returns (other outputs, done token).
     """
     modes = gradients.Modes(connected)
     run = self._Accumulating(program, function, num_weights, connected,
-                             modes)
+                             modes, pack)
     with tf.device(self.device):
       outputs = _List(run(*args))
     num_kept = sum(m == 'only' for m in modes)
@@ -626,8 +658,19 @@ class CellRuntime:
     if keep == 'residuals':
       cut = self._Run(inputs.x, lambda: program.Cut(need_dx))
     with tf.device(self.device):
-      if cut is None:
-        outputs = _List(self._Run(inputs.x, program.Forward)(*present))
+      if cut is None and keep == 'input' and loss_fn is not None:
+        results = _List(self._Run(
+            inputs.x, lambda: program.LossGradient()(*present)))
+        outputs = results[:program.num_forward]
+        cell_inputs = ActionInputs(inputs.x, inputs.seed, inputs.offset)
+        cell_flat = cell_inputs.Flat()
+        record = KeptInput(
+            self._Program(cell_inputs, cell_flat, variables, training, None),
+            [t for t in cell_flat if t is not None],
+            results[program.num_forward:])
+      elif cut is None:
+        outputs = _List(self._Run(
+            inputs.x, lambda: program.Forward()(*present)))
         record = KeptInput(program, present) if keep else None
       else:
         part = cut.Part(split_backward.FORWARD)
@@ -667,6 +710,8 @@ class CellRuntime:
     Returns (dx, KeptForWeights or None, done tokens).
     """
     program = record.program
+    if isinstance(record, KeptInput) and record.output_gradients is not None:
+      dy = record.output_gradients
     dy = [] if dy is None else list(dy)
     function, backward = program.Whole(need_dx)
     traced = backward.traced
@@ -687,7 +732,8 @@ class CellRuntime:
       part = cut.Part(split_backward.BACKWARD)
       outputs, done = self._CallAccumulating(
           program, part.function, part.num_weight_gradients,
-          backward.connected, gradients, [values[n] for n in part.feeds])
+          backward.connected, gradients, [values[n] for n in part.feeds],
+          cut.WeightGradients)
       return outputs, None, [done]
     kind = (split_backward.RECOMPUTE_INPUT_GRADIENT
             if isinstance(record, KeptInput) else
@@ -708,11 +754,12 @@ class CellRuntime:
     """W: accumulates the weight gradients; returns a done token."""
     program = record.program
     _, backward = program.Whole(need_dx)
-    part = program.Cut(need_dx).Part(split_backward.WEIGHT_GRADIENT)
+    cut = program.Cut(need_dx)
+    part = cut.Part(split_backward.WEIGHT_GRADIENT)
     _, done = self._CallAccumulating(
         program, part.function, part.num_weight_gradients,
         backward.connected, gradients,
-        [record.values[n] for n in part.feeds])
+        [record.values[n] for n in part.feeds], cut.WeightGradients)
     return done
 
 

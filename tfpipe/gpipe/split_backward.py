@@ -115,11 +115,18 @@ def _Reads(graph, ops, captured, fetches=()):
     if op.name not in ops:
       continue
     for t in op.inputs:
+      # Constants and variables' values are not handed on: a part that
+      # reads one makes (or reads) it again.
       if (t.op.name not in ops and t.name not in captured and
-          t.name not in seen):
+          t.name not in seen and not _Remade(t, captured)):
         seen.add(t.name)
         result.append(t)
   return result
+
+
+def _Remade(t, captured):
+  return t.op.type == 'Const' or (
+      t.op.type == 'ReadVariableOp' and t.op.inputs[0].name in captured)
 
 
 def _Unique(tensors):

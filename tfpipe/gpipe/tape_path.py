@@ -53,7 +53,7 @@ def NeedsInputGradient(float_inputs):
   if tf.executing_eagerly():
     return record.should_record_backprop(float_inputs)
   return record.should_record_backprop(float_inputs) or any(
-      t.op.type != 'Const' for t in float_inputs)
+      tf.is_symbolic_tensor(t) and t.op.type != 'Const' for t in float_inputs)
 
 
 def Forward(runtime, inputs, shards, training, collector, dispatchers,
