@@ -590,22 +590,28 @@ class CellRuntime:
   def _Accumulating(self, program, function, num_weights, connected, modes,
                     pack):
     """`function`'s call and the accumulation of its last `num_weights`
-    outputs, the gradients of variables `connected`, as one concrete
-    function: (*flat) -> the other outputs, the gradients kept as they are
-    (mode 'only'), and a token that exists once the buffers are updated."""
+    outputs, the gradients of variables `connected`: (*flat) -> the other
+    outputs, the gradients kept as they are (mode 'only'), and a token that
+    exists once the buffers are updated.
+
+    In a graph these are ops of the caller's graph. Eagerly they are one
+    traced call, so that an action costs one call, not one per variable.
+    """
+    variables = [program.variables[i] for i in connected]
+
+    def Run(*flat):
+      with tf.device(self.device):
+        outputs = _List(function(*flat))
+        split = len(outputs) - num_weights
+        updates, kept = self.accumulators.Add(
+            variables, pack(outputs[split:]), modes)
+        with tf.control_dependencies(updates):
+          done = tf.constant(True)
+        return outputs[:split] + kept + [done]
+    if not tf.executing_eagerly():
+      return Run
     key = (id(function), modes)
     if key not in program.actions:
-      variables = [program.variables[i] for i in connected]
-
-      def Run(*flat):
-        with tf.device(self.device):
-          outputs = _List(function(*flat))
-          split = len(outputs) - num_weights
-          updates, kept = self.accumulators.Add(
-              variables, pack(outputs[split:]), modes)
-          with tf.control_dependencies(updates):
-            done = tf.constant(True)
-          return outputs[:split] + kept + [done]
       with Tracing():
         program.actions[key] = (function, tf.function(
             Run, autograph=False).get_concrete_function(

@@ -56,6 +56,17 @@ def NeedsInputGradient(float_inputs):
       tf.is_symbolic_tensor(t) and t.op.type != 'Const' for t in float_inputs)
 
 
+def _RefuseVectorizing():
+  """tape.jacobian vectorizes the gradient with pfor by default, which
+  cannot batch the backward's accumulation into per-variable buffers."""
+  if not tf.executing_eagerly() and 'loop_body' in (
+      tf.compat.v1.get_default_graph().get_name_scope().split('/')):
+    raise ValueError(
+        'tfpipe: the gradient of a PipeliningLayer cannot be vectorized '
+        '(tape.jacobian or batch_jacobian with experimental_use_pfor=True); '
+        'pass experimental_use_pfor=False, which computes it row by row.')
+
+
 def Forward(runtime, inputs, shards, training, collector, dispatchers,
             devices, batch_dim):
   """The pipeline's output, recorded as one operation for the caller's tapes.
@@ -100,6 +111,7 @@ def Forward(runtime, inputs, shards, training, collector, dispatchers,
       resource_variable_ops.variable_accessed(v)
 
     def Backward(*output_gradients, variables=None):
+      _RefuseVectorizing()
       with record.stop_recording():
         with tf.device(last_device):
           output_gradients = [
