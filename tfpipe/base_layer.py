@@ -24,6 +24,7 @@ import threading
 
 import keras
 import tensorflow as tf
+from tensorflow.python.autograph.core import ag_ctx  # pylint: disable=g-direct-tensorflow-import
 
 from tfpipe import cost_model
 from tfpipe import hyperparams
@@ -121,6 +122,20 @@ def Recomputing(value=True):
 def IsRecomputing():
   """True while the pipeline recomputes a cell's forward for its backward pass."""
   return _STEP_CONTEXT.recomputing
+
+
+_CONVERTING = ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
+
+
+def Autograph(fn):
+  """`fn` converted by autograph, as a tf.function with autograph=True would.
+
+  The pipeline traces its cells' functions with autograph off (its own
+  Python control flow is trace-time logic); user code (a layer's FProp, a
+  loss_fn) is converted here instead. Modules autograph leaves alone
+  (TensorFlow, Keras) are called unchanged.
+  """
+  return tf.__internal__.autograph.tf_convert(fn, _CONVERTING)
 
 
 # ---- step randomness ---------------------------------------------------------
@@ -445,7 +460,13 @@ class BaseLayer(keras.layers.Layer):
   def call(self, inputs, training=None, **kwargs):
     if self._fprop_accepts_training:
       kwargs['training'] = training
-    return self.FProp(inputs, **kwargs)
+    fprop = self.FProp
+    if not tf.executing_eagerly() and not type(self).FProp.__module__.startswith(
+        'tfpipe.'):
+      # A user's FProp is traced as a tf.function's code is: a Python `if`
+      # on a tensor works. tfpipe's own layers need no conversion.
+      fprop = Autograph(fprop)
+    return fprop(inputs, **kwargs)
 
   def build(self, input_shape):
     """Builds children in order; layers that made their variables in __init__ need nothing."""

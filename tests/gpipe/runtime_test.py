@@ -17,6 +17,8 @@ import pytest
 import tensorflow as tf
 
 from tests.gpipe import pipelining_layer_test as plt_test
+from tests.gpipe import tape_path_test
+from tfpipe import base_layer
 from tfpipe import layers
 from tfpipe.gpipe import schedule as schedule_lib
 
@@ -273,3 +275,126 @@ def test_mixing_sum_and_mean_losses_is_refused():
     return tf.reduce_sum(tf.square(outputs - targets)), 3.0
   with pytest.raises(ValueError, match='one kind'):
     pipe.ComputeLossAndGradients(x, y, Mixed)
+
+
+# ---- edges: inputs, variables and user code ---------------------------------
+
+
+class _WithOptional(layers.FCLayer):
+  """An FC layer on inputs['h'], passing inputs['extra'] (maybe None) on."""
+
+  def FProp(self, inputs, training=None):
+    return {'h': super().FProp(inputs['h']), 'extra': inputs['extra']}
+
+  @classmethod
+  def FPropMeta(cls, p, input_shape):
+    return base_layer.CostMeta(output_shape=input_shape, flops=1.0,
+                               num_params=p.input_dims * (p.output_dims + 1))
+
+
+@pytest.mark.parametrize('executor', ['auto', 'graph', 'threads'])
+def test_a_none_leaf_in_the_input_under_every_executor(executor):
+  params = [_WithOptional.Params().Set(
+      name=f'fc{i}', input_dims=plt_test.DIM, output_dims=plt_test.DIM,
+      activation='tanh', random_seed=i) for i in range(4)]
+  x, y = _Data()
+  inputs = {'h': x, 'extra': None}
+  plain = layers.SequentialLayer.Params().Set(name='plain',
+                                              sub=params).Instantiate()
+  loss_fn = lambda out, t: _Loss(out['h'], t)
+  with tf.GradientTape() as tape:
+    ref_loss = loss_fn(plain(inputs, training=True), y)
+  ref_grads = tape.gradient(ref_loss, plain.trainable_variables)
+  # A fresh pipe's first call resolves the executor and builds the cells.
+  pipe = _Pipeline(params, 2, 3, executor=executor)
+  out = pipe.ComputeLossAndGradients(inputs, y, loss_fn)
+  np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+  _AssertAllClose(out.gradients, ref_grads)
+  with tf.GradientTape() as tape:
+    loss = loss_fn(pipe(inputs, training=True), y)
+  _AssertAllClose(tape.gradient(loss, pipe.trainable_variables), ref_grads)
+  assert pipe(inputs)['extra'] is None
+
+
+@pytest.mark.parametrize('schedule,remat,executor', [
+    ('gpipe', 'always', 'graph'), ('1f1b', 'never', 'threads'),
+    ('zb_h1', 'except_last', 'graph')])
+def test_a_variable_no_loss_reaches_gets_none(schedule, remat, executor):
+  """Decided when traced; the trainer's update then leaves it alone."""
+  layer_params = tape_path_test.UnusedVariableParams()
+  x, y = _Data()
+  pipe = _Pipeline(layer_params, 2, 3, schedule=schedule,
+                   remat_policy=remat, executor=executor)
+  ref_loss, ref_grads = plt_test._Reference(layer_params, x, y)  # pylint: disable=protected-access
+  out = pipe.ComputeLossAndGradients(x, y, _Loss)
+  assert [g is None for g in out.gradients] == [g is None for g in ref_grads]
+  assert sum(g is None for g in out.gradients) == 1
+  _AssertAllClose([g for g in out.gradients if g is not None],
+                  [g for g in ref_grads if g is not None])
+
+
+@pytest.mark.parametrize('executor,schedule', [('graph', 'gpipe'),
+                                               ('threads', 'zb_h1')])
+def test_freezing_a_layer_between_steps_realigns_the_gradients(
+    executor, schedule):
+  layer_params = _LayerParams(4)
+  x, y = _Data()
+  plain = layers.SequentialLayer.Params().Set(
+      name='plain', sub=layer_params).Instantiate()
+  pipe = _Pipeline(layer_params, 2, 3, executor=executor, schedule=schedule,
+                   remat_policy='never')
+  piped_layers = [layer for cell in pipe.cells for layer in cell.sub]
+  for frozen in (None, 2, 0):
+    for i, (a, b) in enumerate(zip(plain.sub, piped_layers)):
+      a.trainable = b.trainable = i != frozen
+    with tf.GradientTape() as tape:
+      loss = _Loss(plain(x, training=True), y)
+    want = tape.gradient(loss, plain.trainable_variables)
+    out = pipe.ComputeLossAndGradients(x, y, _Loss)
+    assert len(out.gradients) == len(pipe.trainable_variables) == len(want)
+    _AssertAllClose(out.gradients, want)
+
+
+def test_a_loss_fn_error_is_reported_as_the_loss_fns_own():
+  pipe = _Pipeline(_LayerParams(4), 2, 2)
+  x, y = _Data()
+
+  def WrongTargets(outputs, targets):
+    return tf.reduce_mean(tf.square(outputs - targets[:, :3]))
+  with pytest.raises(ValueError, match='Dimensions must be equal') as info:
+    pipe.ComputeLossAndGradients(x, y, WrongTargets)
+  assert 'cell 1 (cell1) failed' not in str(info.value)
+  assert 'Raised by loss_fn on the output of cell 1' in ''.join(
+      info.value.__notes__)
+
+
+class _Gated(layers.FCLayer):
+  """Python control flow on a tensor, as Keras users write it."""
+
+  def FProp(self, inputs, training=None):
+    if tf.reduce_all(tf.math.is_finite(inputs)):  # A tensor, in Python.
+      return super().FProp(inputs)
+    return super().FProp(tf.zeros_like(inputs))
+
+
+def test_user_fprop_and_loss_fn_are_converted_by_autograph():
+  params = [_Gated.Params().Set(name=f'g{i}', input_dims=plt_test.DIM,
+                                output_dims=plt_test.DIM, activation='tanh',
+                                random_seed=i) for i in range(2)]
+  x, y = _Data()
+
+  def Loss(outputs, targets):
+    loss = _Loss(outputs, targets)
+    if loss > 100.0:
+      loss = loss / 100.0
+    return loss
+  plain = layers.SequentialLayer.Params().Set(name='plain',
+                                              sub=params).Instantiate()
+  with tf.GradientTape() as tape:
+    ref_loss = Loss(plain(x, training=True), y)
+  ref_grads = tape.gradient(ref_loss, plain.trainable_variables)
+  for executor in ('graph', 'threads'):
+    out = _Pipeline(params, 2, 3, executor=executor).ComputeLossAndGradients(
+        x, y, Loss)
+    np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+    _AssertAllClose(out.gradients, ref_grads)

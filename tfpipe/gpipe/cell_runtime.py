@@ -53,6 +53,7 @@ from typing import Any, List
 from absl import logging
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from tfpipe import base_layer
 from tfpipe.gpipe import loss as loss_lib
@@ -200,8 +201,11 @@ class GradientAccumulators:
   def Buffer(self, variable):
     key = variable.ref()
     if key not in self._buffers:
+      # A buffer may first be needed in a later trace of a caller's
+      # tf.function (a layer unfrozen between steps), where tf.Variable is
+      # refused; a ResourceVariable made directly, out of the trace, is not.
       with tf.init_scope(), tf.device(self.device):
-        self._buffers[key] = tf.Variable(
+        self._buffers[key] = resource_variable_ops.ResourceVariable(
             tf.zeros(variable.shape, variable.dtype), trainable=False,
             name='grad_accumulator')
     return self._buffers[key]

@@ -27,7 +27,8 @@ with a note naming where it ran, never as a cell's.
 import collections
 
 import tensorflow as tf
-from tensorflow.python.autograph.core import ag_ctx  # pylint: disable=g-direct-tensorflow-import
+
+from tfpipe import base_layer
 
 LossAndGradients = collections.namedtuple(
     'LossAndGradients', ['loss', 'gradients', 'metrics', 'action_times'],
@@ -122,18 +123,6 @@ def BatchSize(structure, batch_dim=0):
   return static if static is not None else tf.shape(leaf)[batch_dim]
 
 
-_CONVERTING = ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
-
-
-def Autograph(fn):
-  """`fn` converted by autograph, as a tf.function with autograph=True would.
-
-  Code of modules that autograph leaves alone (TensorFlow, Keras) is called
-  unchanged.
-  """
-  return tf.__internal__.autograph.tf_convert(fn, _CONVERTING)
-
-
 def CallLossFn(loss_fn, outputs, targets, where):
   """loss_fn(outputs, targets), autograph-converted; its errors stay its own.
 
@@ -144,7 +133,7 @@ def CallLossFn(loss_fn, outputs, targets, where):
     where: a few words saying where it ran, added as a note to an error.
   """
   try:
-    return Autograph(loss_fn)(outputs, targets)
+    return base_layer.Autograph(loss_fn)(outputs, targets)
   except Exception as e:  # pylint: disable=broad-except
     shapes = tf.nest.map_structure(
         lambda t: None if t is None else tuple(t.shape), outputs)
