@@ -97,3 +97,45 @@ def test_tf_variable_unwraps_keras_variables():
     assert isinstance(cell_runtime.TfVariable(v), tf.Variable)
   plain = tf.Variable(1.0)
   assert cell_runtime.TfVariable(plain) is plain
+
+
+# ---- caches -----------------------------------------------------------------
+
+
+def test_changing_sequence_lengths_relax_shapes_instead_of_retracing():
+  """ZB-H1 (and every schedule) traces a program per signature, relaxed."""
+  params = [layers.FCLayer.Params().Set(
+      name=f'fc{i}', input_dims=plt_test.DIM, output_dims=plt_test.DIM,
+      activation='tanh', random_seed=i) for i in range(4)]
+  pipe = _Pipeline(params, 2, 2, schedule='zb_h1', remat_policy='never',
+                   executor='threads')
+  loss_fn = lambda y, t: tf.reduce_mean(tf.square(y - t))
+  plain = layers.SequentialLayer.Params().Set(name='plain',
+                                              sub=params).Instantiate()
+  for length in range(2, 10):
+    x = tf.random.stateless_normal([4, length, plt_test.DIM], seed=[length, 1])
+    out = pipe.ComputeLossAndGradients(x, x, loss_fn)
+  with tf.GradientTape() as tape:
+    loss = loss_fn(plain(x, training=True), x)
+  np.testing.assert_allclose(out.loss, loss, rtol=1e-5)
+  plt_test._AssertAllClose(  # pylint: disable=protected-access
+      out.gradients, tape.gradient(loss, plain.trainable_variables))
+  # The first length exactly, then one program with the length unknown.
+  assert [len(cell.programs) for cell in pipe.runtime.cells[0]] == [2, 2]
+
+
+def test_program_caches_are_bounded_and_follow_loss_fn_and_batch_changes():
+  """A new loss_fn closure per step, and batch sizes that change, under
+  the threads dispatcher: results stay right and programs are evicted."""
+  layer_params = _LayerParams(4)
+  x, y = _Data()
+  pipe = _Pipeline(layer_params, 2, 2, executor='threads')
+  for step in range(cell_runtime.MAX_PROGRAMS + 3):
+    scale = 1.0 + step
+    batch = plt_test.BATCH - step % 3
+    loss_fn = lambda out, t, scale=scale: scale * _Loss(out, t)
+    out = pipe.ComputeLossAndGradients(x[:batch], y[:batch], loss_fn)
+    ref_loss, _ = plt_test._Reference(layer_params, x[:batch], y[:batch])  # pylint: disable=protected-access
+    np.testing.assert_allclose(out.loss, scale * ref_loss, rtol=1e-5)
+  assert len(pipe.runtime.cells[0][-1].programs) <= (
+      cell_runtime.MAX_PROGRAMS)

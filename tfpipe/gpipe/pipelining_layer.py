@@ -35,6 +35,7 @@ tf.function both are inline. Both give the same losses, gradients and
 statistics.
 """
 
+import collections
 import math
 
 import tensorflow as tf
@@ -51,6 +52,7 @@ from tfpipe.gpipe import schedule as schedule_lib
 from tfpipe.gpipe import tape_path
 
 EXECUTORS = ('auto', 'graph', 'threads')
+_MAX_COMPILED_STEPS = 4
 
 def CellError(pipeline_name, cells, k, x, error):
   """A ValueError naming cell k, its input's shapes and the likely fix."""
@@ -220,7 +222,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._runtime = None
     self._executors = {}
     self._threads = dispatch_lib.Threads(name=p.name)
-    self._compiled_step = None
+    # One compiled step per loss_fn, the latest few: a tf.function keeps
+    # every trace, and a caller may pass a new closure each step.
+    self._compiled_steps = collections.OrderedDict()
 
   @property
   def cell_devices(self):
@@ -295,6 +299,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     shape = _Shapes(inputs)
     key = repr(shape)
     if key not in self._executors:
+      if len(self._executors) >= _MAX_COMPILED_STEPS * 4:
+        self._executors.clear()  # Shapes that keep changing: stay bounded.
       self._executors[key] = dispatch_lib.ChooseExecutor(
           [d for devices in self._replica_devices for d in devices],
           self._ForwardFlopsPerAction(shape))
@@ -437,13 +443,16 @@ class PipeliningLayer(base_layer.BaseLayer):
       self.build(_Shapes(inputs))
     if (self.p.compile_step and tf.executing_eagerly() and
         self.ResolvedExecutor(inputs) == 'graph'):
-      if self._compiled_step is None:
-        self._compiled_step = tf.function(self._CompiledStep,
-                                          reduce_retracing=True,
-                                          autograph=False)
+      if loss_fn not in self._compiled_steps:
+        self._compiled_steps[loss_fn] = tf.function(
+            self._CompiledStep, reduce_retracing=True, autograph=False)
+        while len(self._compiled_steps) > _MAX_COMPILED_STEPS:
+          self._compiled_steps.popitem(last=False)
+      self._compiled_steps.move_to_end(loss_fn)
       # The trainable set is an argument, so that freezing a layer retraces.
-      return self._compiled_step(inputs, targets, loss_fn, training, step,
-                                 record_times, self._TrainableKey())
+      return self._compiled_steps[loss_fn](
+          inputs, targets, loss_fn, training, step, record_times,
+          self._TrainableKey())
     return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
                                          step, record_times)
 

@@ -302,11 +302,13 @@ class _DeferredKerasBatchNorm:
   """What the step's DeferredStatsCollector applies for a Keras BatchNormalization.
 
   One per layer (see _DeferredStatsOf), so all micro-batches' records of a
-  layer are merged into one update.
+  layer are merged into one update. It holds its layer weakly: it is the
+  value of a WeakKeyDictionary keyed by that layer, and a value that held
+  its key would keep the layer alive forever.
   """
 
   def __init__(self, layer):
-    self.layer = layer
+    self._layer = weakref.ref(layer)
 
   def ApplyDeferredStats(self, records):
     counts = [tf.cast(c, tf.float32) for c, _ in records]
@@ -318,7 +320,7 @@ class _DeferredKerasBatchNorm:
     second = tf.add_n([c * (v + tf.square(m))
                        for c, m, v in zip(counts, means, variances)]) / total
     variance = tf.maximum(second - tf.square(mean), 0.0)
-    return UpdateMovingStats(self.layer, mean, variance)
+    return UpdateMovingStats(self._layer(), mean, variance)
 
 
 _DEFERRED = weakref.WeakKeyDictionary()
