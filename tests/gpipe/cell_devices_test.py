@@ -54,7 +54,7 @@ def test_devices_none_splits_the_device_before_tensorflow_starts():
       from tfpipe import gpipe, layers
       params = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dims=4,
                                             output_dims=4) for i in range(2)]
-      cells = gpipe.PartitionSequentialLayers(params, 2, balance='params')
+      cells = gpipe.PartitionSequentialLayers(params, 2, balance=[1, 1])
       pipe = gpipe.PipeliningLayer.Params().Set(
           name='pipe', cell_tpl=cells, num_micro_batches=2).Instantiate()
       print('DEVICES', pipe.cell_devices)

@@ -592,14 +592,16 @@ class CellRuntime:
       raise self._describe_error(self.index, x, e) from e
 
   def _Accumulating(self, program, function, num_weights, connected, modes,
-                    pack):
+                    pack, noinline):
     """`function`'s call and the accumulation of its last `num_weights`
     outputs, the gradients of variables `connected`: (*flat) -> the other
     outputs, the gradients kept as they are (mode 'only'), and a token that
     exists once the buffers are updated.
 
-    In a graph these are ops of the caller's graph. Eagerly they are one
-    traced call, so that an action costs one call, not one per variable.
+    In a graph these are ops of the caller's graph, unless `noinline`: then
+    they are one call that stays a call (see _NoInline), which adds each
+    gradient as it is made. Eagerly they are one traced call, so that an
+    action costs one call, not one per variable.
     """
     variables = [program.variables[i] for i in connected]
 
@@ -612,18 +614,20 @@ class CellRuntime:
         with tf.control_dependencies(updates):
           done = tf.constant(True)
         return outputs[:split] + kept + [done]
-    if not tf.executing_eagerly():
+    if not tf.executing_eagerly() and not noinline:
       return Run
-    key = (id(function), modes)
+    key = (id(function), modes, noinline)
     if key not in program.actions:
+      attributes = {'_noinline': True} if noinline else None
       with Tracing():
         program.actions[key] = (function, tf.function(
-            Run, autograph=False).get_concrete_function(
+            Run, autograph=False,
+            experimental_attributes=attributes).get_concrete_function(
                 *function.structured_input_signature[0]))
     return program.actions[key][1]
 
   def _CallAccumulating(self, program, function, num_weights, connected,
-                        gradients, args, pack=list):
+                        gradients, args, pack=list, noinline=False):
     """Runs `function` on `args` and accumulates its weight gradients, its
     last `num_weights` outputs (made gradients by `pack`).
 
@@ -631,7 +635,7 @@ class CellRuntime:
     """
     modes = gradients.Modes(connected)
     run = self._Accumulating(program, function, num_weights, connected,
-                             modes, pack)
+                             modes, pack, noinline)
     with tf.device(self.device):
       outputs = _List(run(*args))
     num_kept = sum(m == 'only' for m in modes)
@@ -735,8 +739,8 @@ class CellRuntime:
     num_forward = len(traced.forward)
     if cut is None:  # Re-materialized, B and W in one call.
       outputs, done = self._CallAccumulating(
-          program, _NoInline(program, function), len(backward.connected),
-          backward.connected, gradients, record.inputs + dy)
+          program, function, len(backward.connected), backward.connected,
+          gradients, record.inputs + dy, noinline=True)
       return outputs[num_forward:], None, [done]
     if not split:
       part = cut.Part(split_backward.BACKWARD)

@@ -456,11 +456,14 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
                                          step, record_times)
 
-  def _CompiledStep(self, *args):
+  def _CompiledStep(self, inputs, targets, loss_fn, training, step,
+                    record_times, trainable_key=None):
+    del trainable_key  # Only a tf.function's cache key.
     # The returned gradients stay on their cells' devices (not copied to the
     # default device by tf.function's output identities).
     placement.FollowInputDevicesToTheEnd()
-    return self._ComputeLossAndGradients(*args[:-1])
+    return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
+                                         step, record_times)
 
   def _TrainableKey(self):
     return tuple(id(v) for v in self._CellVariables())
