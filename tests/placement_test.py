@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import layers
 from tfpipe import placement
 
 
@@ -166,3 +167,12 @@ def test_audit_sees_one_op_gathering_every_device_s_gradients():
   np.testing.assert_allclose(variables[2].numpy(), 0.9 * np.ones([32, 32]))
   assert not hasattr(optimizer, '__dict__') or (
       '_all_reduce_sum_gradients' not in optimizer.__dict__)
+
+
+def test_tf_variable_unwraps_keras_variables():
+  layer = layers.FCLayer.Params().Set(name='fc', input_dims=2,
+                                      output_dims=2).Instantiate()
+  for v in layer.trainable_variables:
+    assert isinstance(placement.TfVariable(v), tf.Variable)
+  plain = tf.Variable(1.0)
+  assert placement.TfVariable(plain) is plain

@@ -179,6 +179,13 @@ def _Unreduced(grads_and_vars):
   return list(grads_and_vars)
 
 
+def TfVariable(v):
+  """The tf.Variable behind a Keras variable (tapes watch, and devices hold,
+  that one); a tf.Variable itself."""
+  value = getattr(v, 'value', None)
+  return value if isinstance(value, tf.Variable) else v
+
+
 def OnVariableDevices(tensors, variables):
   """Pins each tensor to its variable's device (None stays None).
 
@@ -192,8 +199,7 @@ def OnVariableDevices(tensors, variables):
     if t is None:
       result.append(None)
       continue
-    value = getattr(v, 'value', v)
-    with tf.device(getattr(value, 'device', None) or v.device):
+    with tf.device(TfVariable(v).device):
       result.append(tf.identity(t))
   return result
 

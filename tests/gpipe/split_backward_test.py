@@ -40,13 +40,12 @@ def _Split(cell, x, dy, need_dx=True, loss_fn=None, loss=None):
   """F keeping residuals, then B, then W; returns (F's outputs, dx, dW,
   F's record)."""
   variables = cell.Variables()
-  gradients = cell.StepGradients(variables, 2)  # Two: kept in buffers.
+  gradients = cell.PassGradients(variables, 2, need_dx)  # Two: buffers.
   outputs, _, record = cell.Forward(_Inputs(x, loss), True, variables,
                                     'residuals', loss_fn, need_dx)
   assert isinstance(record, cell_runtime.KeptResiduals)
-  dx, for_weights, _ = cell.Backward(record, dy, gradients, need_dx,
-                                     split=True)
-  cell.WeightGradient(for_weights, gradients, need_dx)
+  dx, for_weights, _ = cell.Backward(record, dy, gradients, split=True)
+  cell.WeightGradient(for_weights, gradients)
   return outputs, dx, gradients.Read(), record
 
 

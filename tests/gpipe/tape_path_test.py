@@ -15,6 +15,7 @@ import tensorflow as tf
 from tests.gpipe import pipelining_layer_test as plt_test
 from tfpipe import base_layer
 from tfpipe import layers
+from tfpipe import placement
 from tfpipe.gpipe import cell_runtime
 from tfpipe.gpipe import runtime as runtime_lib
 
@@ -106,7 +107,7 @@ def test_persistent_tape_two_losses_and_a_jacobian(traced):
       out = model(x, training=True)
       first, squares = out[:, 0], tf.reduce_sum(tf.square(out))
       first_sum = tf.reduce_sum(first)
-    kernel = cell_runtime.TfVariable(model.trainable_variables[0])
+    kernel = placement.TfVariable(model.trainable_variables[0])
     return (tape.gradient(first_sum, model.trainable_variables),
             tape.gradient(squares, model.trainable_variables),
             tape.gradient([squares, first], model.trainable_variables),
@@ -117,7 +118,7 @@ def test_persistent_tape_two_losses_and_a_jacobian(traced):
                      else Gradients(model))
   for got, want in zip(results['pipe'], results['plain']):
     _AssertAllClose(tf.nest.flatten(got), tf.nest.flatten(want))
-  kernel = cell_runtime.TfVariable(models['pipe'].trainable_variables[0])
+  kernel = placement.TfVariable(models['pipe'].trainable_variables[0])
   with tf.GradientTape() as tape:
     first = models['pipe'](x, training=True)[:, 0]
   # Vectorized (the default), it is refused, saying what works.

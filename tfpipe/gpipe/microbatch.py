@@ -21,7 +21,8 @@ import keras
 import tensorflow as tf
 
 
-def _Leaves(structure):
+def Leaves(structure):
+  """The leaves of a structure, without its None leaves (absent inputs)."""
   return [t for t in tf.nest.flatten(structure) if t is not None]
 
 
@@ -39,7 +40,7 @@ def StaticBatchSize(structure, batch_dim=0):
     ValueError: if leaves disagree on the batch size, or a leaf has no
       `batch_dim` axis.
   """
-  leaves = _Leaves(structure)
+  leaves = Leaves(structure)
   if not leaves:
     raise ValueError('Cannot split an input with no tensors into micro-batches.')
   sizes = []
@@ -115,7 +116,7 @@ def Split(structure, num_micro_batches, batch_dim=0, micro_batch_size=None):
     batch_size = static
     size_list = sizes
   else:
-    first = _Leaves(structure)[0]
+    first = Leaves(structure)[0]
     batch_size = tf.shape(first)[batch_dim]
     tf.debugging.assert_greater_equal(
         batch_size, m, message=(

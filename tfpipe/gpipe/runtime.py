@@ -126,7 +126,7 @@ class _Step:
     self.variables = {(r, k): cell.Variables() if backward else None
                       for r, cells in enumerate(runtime.cells)
                       for k, cell in enumerate(cells)}
-    self.gradients = {}       # (r, k) -> StepGradients of this backward pass
+    self.gradients = {}       # (r, k) -> PassGradients of this backward pass
     self.kept = {}
     self.for_weights = {}
     self.release_kept = True  # False: the tape may ask for B again.
@@ -151,8 +151,8 @@ class _Step:
   def StartBackward(self):
     """Fresh gradients for a backward pass (each of a tape's gradients)."""
     self.gradients = {
-        (r, k): cell.StepGradients(self.variables[(r, k)],
-                                   len(self.shards[r]))
+        (r, k): cell.PassGradients(self.variables[(r, k)],
+                                   len(self.shards[r]), self._NeedDx(k))
         for r, cells in enumerate(self.runtime.cells)
         for k, cell in enumerate(cells)}
 
@@ -200,8 +200,7 @@ class _Step:
     inputs = self._Inputs(r, m, k, x)
     if (r, m) in self._fused and k == self._last:
       outputs, stats, dx, done = cell.ForwardBackward(
-          inputs, self.training, self.loss_fn, self.gradients[(r, k)],
-          self._NeedDx(k))
+          inputs, self.training, self.loss_fn, self.gradients[(r, k)])
       self.kept[(r, m, k)] = _Fused(dx)
       tokens = [done]
     else:
@@ -235,8 +234,7 @@ class _Step:
       dx, done = record.input_gradient, []
     else:
       dx, for_weights, done = cell.Backward(
-          record, dy, self.gradients[(r, k)], self._NeedDx(k),
-          split=self._split[r])
+          record, dy, self.gradients[(r, k)], split=self._split[r])
       if for_weights is not None:
         self.for_weights[(r, m, k)] = for_weights
     if k > 0:
@@ -249,8 +247,7 @@ class _Step:
     record = self.for_weights.pop((r, m, k), None)
     if record is None:
       return []  # B ran the whole backward (a cell that cannot be cut).
-    return [self._Cell(r, k).WeightGradient(record, self.gradients[(r, k)],
-                                            self._NeedDx(k))]
+    return [self._Cell(r, k).WeightGradient(record, self.gradients[(r, k)])]
 
   def ApplyStats(self, collector):
     if collector is None:

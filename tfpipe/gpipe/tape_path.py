@@ -23,7 +23,8 @@ import tensorflow as tf
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
-from tfpipe.gpipe import cell_runtime as cell_runtime_lib
+from tfpipe import placement
+from tfpipe.gpipe import cell_program
 from tfpipe.gpipe import microbatch
 
 
@@ -34,7 +35,7 @@ def WillDifferentiate(inputs, variables, training):
   outside the function; a training forward is assumed to be differentiated
   then (keeping only inputs under re-materialization costs nothing if not).
   """
-  if not variables and not cell_runtime_lib.SplitFloat(inputs)[0]:
+  if not variables and not cell_program.SplitFloat(inputs)[0]:
     return False
   if tf.executing_eagerly():
     return record.could_possibly_record()
@@ -84,7 +85,7 @@ def Forward(runtime, inputs, shards, training, collector, dispatchers,
   Returns:
     The merged output, whose gradient runs the pipeline's backward.
   """
-  float_inputs = cell_runtime_lib.SplitFloat(inputs)[0]
+  float_inputs = cell_program.SplitFloat(inputs)[0]
   need_input_gradient = NeedsInputGradient(float_inputs)
   first_device, last_device = devices
   sizes = [list(shard.sizes) for shard in shards]
@@ -100,7 +101,7 @@ def Forward(runtime, inputs, shards, training, collector, dispatchers,
         merged = microbatch.Merge(
             [y for per_replica in micro_outputs for y in per_replica],
             batch_dim)
-        float_outputs, rebuild = cell_runtime_lib.SplitFloat(merged)
+        float_outputs, rebuild = cell_program.SplitFloat(merged)
         float_outputs = [tf.identity(t) for t in float_outputs]
     rebuilt['fn'] = rebuild
     # The variables the backward returns gradients for: the trainable ones
@@ -138,7 +139,7 @@ def Forward(runtime, inputs, shards, training, collector, dispatchers,
         return dx
       # tf.custom_gradient asks for the variables it saw read, in its order.
       by_variable = {id(v): g for v, g in zip(taken, gradients)}
-      return dx, [by_variable.get(id(cell_runtime_lib.TfVariable(v)))
+      return dx, [by_variable.get(id(placement.TfVariable(v)))
                   for v in variables or []]
     return float_outputs, Backward
 
