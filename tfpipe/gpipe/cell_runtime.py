@@ -29,7 +29,10 @@ from the program's whole trace; the re-materialized backward is the whole
 trace as one call that stays a call, so that it starts only once d loss /
 d output exists and its recomputed activations live only while it runs.
 When B(m, K-1) directly follows F(m, K-1), F, B and W are that whole trace
-inlined (nothing to keep: K=1 costs what a plain step costs). A cell whose
+as one call (nothing to keep). Backward calls are inlined into a caller's
+graph only when the pipeline is one cell, so that K=1 costs what a plain
+step costs; with more cells each stays a call, which keeps one cell's
+backward from overlapping the next one's (and their peaks from adding up). A cell whose
 trace cannot be cut is re-materialized, with B running the whole backward
 and W nothing.
 """
@@ -117,7 +120,8 @@ def _List(outputs):
 class CellRuntime:
   """Cell k's actions, on its device (see the module docstring)."""
 
-  def __init__(self, cell, index, device, describe_error):
+  def __init__(self, cell, index, device, describe_error,
+               inline_backward=False):
     """Creates the runtime; its accumulators live on `device`.
 
     Args:
@@ -125,10 +129,15 @@ class CellRuntime:
       index: k.
       device: where this cell runs (a replica's device, for replicas).
       describe_error: fn(k, x, error) -> ValueError naming the cell.
+      inline_backward: inline the backward calls into a caller's graph. Only
+        for a pipeline of one cell: inlined, a call's input gradient is ready
+        before its weight gradients, and the cell before would start its
+        backward alongside them, raising the peak.
     """
     self.cell = cell
     self.index = index
     self.device = device
+    self._inline_backward = inline_backward
     self.accumulators = accumulators.GradientAccumulators(device)
     self.programs = cell_program.ProgramCache()
     self._describe_error = describe_error
@@ -212,11 +221,13 @@ class CellRuntime:
     return program.actions[key][1]
 
   def _CallAccumulating(self, program, function, num_weights, gradients,
-                        args, pack=list, noinline=False):
+                        args, pack=list, noinline=None):
     """Runs `function` on `args` and accumulates its weight gradients.
 
     Returns (the other outputs, done token).
     """
+    if noinline is None:
+      noinline = not self._inline_backward
     connected = program.Whole(gradients.need_dx)[1].connected
     modes = gradients.Modes(connected)
     run = self._Accumulating(program, function, num_weights, connected,
@@ -325,7 +336,8 @@ class CellRuntime:
       function = _NoInline(program, part.function)
     else:
       part = cut.Part(split_backward.INPUT_GRADIENT)
-      function = part.function
+      function = (part.function if self._inline_backward else
+                  _NoInline(program, part.function))
     results = self._Call(function, [values[n] for n in part.feeds])
     values.update(zip(part.fetches, results))
     weight_feeds = cut.Part(split_backward.WEIGHT_GRADIENT).feeds

@@ -299,7 +299,8 @@ class PipelineRuntime:
     self._remat_policy = remat_policy
     self._schedules = {}
     self.cells = [
-        [cell_runtime_lib.CellRuntime(cell, k, devices[k], describe_error)
+        [cell_runtime_lib.CellRuntime(cell, k, devices[k], describe_error,
+                                      inline_backward=self.num_cells == 1)
          for k, cell in enumerate(cells)]
         for devices in replica_devices]
 
