@@ -59,7 +59,6 @@ class _StepContext(threading.local):
     self.seed = None
     self.example_offset = None
     self.stats_collector = None
-    self.recomputing = False
 
 
 _STEP_CONTEXT = _StepContext()
@@ -106,22 +105,6 @@ def CollectDeferredStats(collector):
 
 def CurrentStatsCollector():
   return _STEP_CONTEXT.stats_collector
-
-
-@contextlib.contextmanager
-def Recomputing(value=True):
-  """Marks a re-materialized forward: layers must not update state again."""
-  old = _STEP_CONTEXT.recomputing
-  _STEP_CONTEXT.recomputing = value
-  try:
-    yield
-  finally:
-    _STEP_CONTEXT.recomputing = old
-
-
-def IsRecomputing():
-  """True while the pipeline recomputes a cell's forward for its backward pass."""
-  return _STEP_CONTEXT.recomputing
 
 
 _CONVERTING = ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
@@ -500,16 +483,6 @@ class BaseLayer(keras.layers.Layer):
   def SeedSalt(self, salt=''):
     """An int that tells this layer's random draws (named `salt`) apart."""
     return _StableHash(self.SeedPath() + salt)
-
-  def StatelessSeed(self, salt=''):
-    """A [2] seed for stateless random ops, or None outside a pipeline step.
-
-    Derived from the step seed set by the pipeline and SeedPath(), so a
-    recomputed forward sees the same random numbers as the original one,
-    in whichever cell the layer runs. It changes with the micro-batch: use
-    StepRandomBits (or DropoutLayer) for values that do not depend on M.
-    """
-    return SaltedStepSeed(self.SeedSalt(salt))
 
   # ---- cost model ---------------------------------------------------------
 

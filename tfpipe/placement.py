@@ -25,7 +25,7 @@ gives two tools:
 
 import contextlib
 import dataclasses
-from typing import List, Optional
+from typing import List
 
 import tensorflow as tf
 
@@ -316,10 +316,3 @@ def Audit(fn, *args, **kwargs) -> List[Finding]:
   findings = []
   _AuditGraph(concrete.graph, None, concrete.graph.name, findings, set())
   return findings
-
-
-def FormatFindings(findings: List[Finding], limit: Optional[int] = 20):
-  lines = [str(f) for f in findings[:limit]]
-  if limit is not None and len(findings) > limit:
-    lines.append(f'... and {len(findings) - limit} more')
-  return '\n'.join(lines)

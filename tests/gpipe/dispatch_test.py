@@ -125,7 +125,7 @@ def test_recorded_times_cover_every_action_in_dependency_order():
   pipe = _Pipeline(layer_params, 2, 4, executor='threads')
   tl = timeline.RecordStep(pipe, x, y, _Loss)
   assert len(tl.start_times) == len(tl.end_times) == 2 * 2 * 4
-  assert not timeline.DependencyViolations(tl, tolerance=1e-4)
+  assert not tl.OrderViolations(tolerance=1e-4)
 
 
 def test_error_in_a_device_thread_names_the_cell_and_does_not_hang():
@@ -181,7 +181,7 @@ def test_recorded_times_inside_tf_function():
   times = Step(x, y)
   tl = timeline.FromActionTimes(pipe.Schedule(3), times)
   assert len(tl.start_times) == 12
-  assert not timeline.DependencyViolations(tl, tolerance=1e-4)
+  assert not tl.OrderViolations(tolerance=1e-4)
 
 
 @pytest.mark.parametrize('executor', ['graph', 'threads'])

@@ -192,11 +192,11 @@ def test_train_step_places_every_op_on_its_cells_device(executor,
   update = (out.loss, out.gradients, out.metrics)
   findings = (placement.Audit(pipe_step, inputs, targets) +
               placement.Audit(task._ApplyGradients, *update))  # pylint: disable=protected-access
-  assert not findings, placement.FormatFindings(findings)
+  assert not findings, findings
   # The same audit catches the unplaced update (the control).
   _NoPlacement(monkeypatch)
   unplaced = placement.Audit(task._ApplyGradients, *update)  # pylint: disable=protected-access
-  assert len(unplaced) > 20, placement.FormatFindings(unplaced)
+  assert len(unplaced) > 20, unplaced
 
 
 def test_a_variable_without_a_gradient_is_left_alone():

@@ -304,16 +304,22 @@ class PipelineRuntime:
          for k, cell in enumerate(cells)]
         for devices in replica_devices]
 
-  def Schedule(self, num_micro_batches, replica=0):
-    """Replica `replica`'s validated schedule for M micro-batches, cached."""
-    key = (num_micro_batches, replica)
+  def Schedule(self, num_micro_batches, replica=0, forward_only=False):
+    """Replica `replica`'s validated schedule for M micro-batches, cached;
+    with `forward_only`, its forward actions alone (inference, and the
+    forward of the tape path)."""
+    key = (num_micro_batches, replica, forward_only)
     if key not in self._schedules:
-      devices = self._replica_devices[replica]
-      unique = list(dict.fromkeys(devices))
-      sched = schedule_lib.MakeSchedule(
-          self._schedule_name, self.num_cells, num_micro_batches,
-          [unique.index(d) for d in devices])
-      self._schedules[key] = (sched, schedule_lib.Validate(sched))
+      if forward_only:
+        sched = self.Schedule(num_micro_batches, replica).ForwardOnly()
+      else:
+        devices = self._replica_devices[replica]
+        unique = list(dict.fromkeys(devices))
+        sched = schedule_lib.MakeSchedule(
+            self._schedule_name, self.num_cells, num_micro_batches,
+            [unique.index(d) for d in devices])
+      self._schedules[key] = (sched, schedule_lib.Validate(
+          sched, forward_only=forward_only))
     return self._schedules[key][0]
 
   def UsesRemat(self, micro_batch, num_micro_batches):
@@ -325,11 +331,13 @@ class PipelineRuntime:
     return True
 
   def _Program(self, shards, kinds):
-    """The actions of `kinds` (some of F, B, W) of every replica."""
+    """The actions of `kinds` (F; or F, B and W; or B and W) of every
+    replica, in their validated order."""
     program = dispatch_lib.Program()
+    forward_only = tuple(kinds) == (schedule_lib.FORWARD,)
     for r, shard in enumerate(shards):
-      sched = self.Schedule(len(shard), r)
-      order = self._schedules[(len(shard), r)][1]
+      sched = self.Schedule(len(shard), r, forward_only)
+      order = self._schedules[(len(shard), r, forward_only)][1]
       devices = self._replica_devices[r]
       for action in order:
         if action.kind in kinds:

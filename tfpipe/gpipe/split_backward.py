@@ -243,6 +243,20 @@ class SplitProgram:
     dy = list(traced.output_gradients)
     recompute_ops = _Ancestors(
         graph, input_fetches + from_forward, forward_ops | input_path)
+    # What each part reads must exist where it runs: the forward reads the
+    # inputs; the backward parts read residuals, d loss / d outputs and B's
+    # results. A forward op that reads a tensor the backward made (a while
+    # loop's gradient accumulators) cannot be cut.
+    have = {t.name for t in traced.inputs}
+    kept = have | {t.name for t in self.residuals} | {t.name for t in dy}
+    for reads, available in ((forward_reads, have),
+                             (backward_reads, kept), (input_reads, kept),
+                             (weight_reads, kept | {
+                                 t.name for t in input_fetches})):
+      missing = [t.name for t in reads if t.name not in available]
+      if missing:
+        raise ValueError(f'its parts would read {missing[:3]}, which no '
+                         'earlier part makes')
     self._plans = {
         FORWARD: (forward_reads, forward_fetches, stateful, 0),
         BACKWARD: (backward_reads, backward_fetches, [], len(weight_fetches)),

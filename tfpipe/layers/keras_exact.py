@@ -125,8 +125,7 @@ def _Layers(layer):
 
 def _InStep():
   return (base_layer.CurrentStepSeed() is not None or
-          base_layer.CurrentStatsCollector() is not None or
-          base_layer.IsRecomputing())
+          base_layer.CurrentStatsCollector() is not None)
 
 
 # The replacements are attributes of layers that other threads may call too
@@ -364,7 +363,7 @@ def _BatchNormCall(layer):
                       tf.float32)
       collector.Add(_DeferredStatsOf(layer),
                     {'mean': mean, 'variance': variance}, count)
-    elif not base_layer.IsRecomputing():
+    else:
       UpdateMovingStats(layer, mean, variance)
     gamma = tf.cast(layer.gamma, x.dtype) if layer.scale else None
     beta = tf.cast(layer.beta, x.dtype) if layer.center else None
