@@ -171,7 +171,7 @@ def _MeasureRow():
   from tfpipe import device_names  # pylint: disable=g-import-not-at-top
   from tfpipe import servers  # pylint: disable=g-import-not-at-top
   servers.ConnectToCluster(tf.train.ClusterSpec(jobs))
-  devices = device_names.PipelineDevices(FLAGS.num_cells, FLAGS.num_cells)
+  devices = device_names.WorkerDevices(FLAGS.num_cells, FLAGS.num_cells)
   peaks = _Measure(devices, executor, update == 'placed')
   print('ROW' + json.dumps(peaks), flush=True)
   sys.stdout.flush()

@@ -9,8 +9,8 @@ trainer needs two calls to run anywhere:
     ...
     controller.Run(trainer)                           # watchdog + checkpoint IO
 
-A controller places replica r's stage k on a worker device (see
-`device_names.PipelineDevices`), so only the controller's program creates
+A controller places replica r's cell k on a worker device (see
+`device_names.WorkerDevices`), so only the controller's program creates
 variables and runs steps; it also makes every checkpoint read and write go
 through its own CPU (`experimental_io_device`), so the checkpoint files land
 on the controller's file system whatever worker holds a variable.
@@ -135,7 +135,7 @@ def SetUpController(flag_values, params):
   """Connects a --job=controller to its workers and places the pipeline.
 
   Sets params.task.pipeline.devices to its R*K worker devices
-  (task.pipeline.num_replicas replicas of num_partitions stages), prints the
+  (task.pipeline.num_replicas replicas of num_partitions cells), prints the
   device mesh, and returns a Controller; without a cluster returns None.
   Must run after the local devices are configured.
   """
@@ -151,7 +151,7 @@ def SetUpController(flag_values, params):
                      'job; list the workers the pipeline runs on.')
   servers.WaitForTasks(workers, timeout_s=60.0)
   servers.ConnectToCluster(spec, job, task, flag_values.bind_address)
-  devices = device_names.PipelineDevices(
+  devices = device_names.WorkerDevices(
       pipeline.num_partitions, len(workers), num_replicas,
       devices_per_worker=flag_values.devices_per_worker)
   pipeline.devices = devices

@@ -61,20 +61,17 @@ def StaticBatchSize(structure, batch_dim=0):
 
 
 def NumMicroBatches(batch_size, num_micro_batches=None, micro_batch_size=None):
-  """Resolves M from either `num_micro_batches` or `micro_batch_size`."""
+  """Resolves M from either `num_micro_batches` or `micro_batch_size`.
+
+  Both are checked (ints >= 1) by PipeliningLayer.CheckParams, once.
+  """
   if micro_batch_size:
-    if micro_batch_size < 1:
-      raise ValueError('micro_batch_size must be >= 1. Received: '
-                       f'micro_batch_size={micro_batch_size}')
     if batch_size is None:
       raise ValueError(
           'micro_batch_size needs a static batch size; the input\'s batch '
           'dimension is unknown. Set num_micro_batches instead, or give the '
           'input a fixed batch size (e.g. drop_remainder=True in tf.data).')
     return max(1, math.ceil(batch_size / micro_batch_size))
-  if num_micro_batches is None or num_micro_batches < 1:
-    raise ValueError('num_micro_batches must be >= 1. Received: '
-                     f'num_micro_batches={num_micro_batches}')
   return num_micro_batches
 
 

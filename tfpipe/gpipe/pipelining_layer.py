@@ -29,7 +29,7 @@ outputs and their gradients cross devices.
 `executor` picks how actions are issued (dispatch.py): 'graph' issues them
 inline, so a traced step is one graph that an accelerator's runtime
 overlaps; 'threads' issues each device's actions from its own thread, so
-the stages of local CPU devices overlap where one graph's would run one
+the cells on local CPU devices overlap where one graph's would run one
 after another; it pays only for large actions (dispatch.ChooseExecutor). Inside a
 tf.function both are inline. Both give the same losses, gradients and
 statistics.
@@ -121,8 +121,8 @@ class PipeliningLayer(base_layer.BaseLayer):
              'tf.function when it is called eagerly with executor=\'graph\'.')
     p.Define('executor', 'auto', "How actions are issued: 'graph' inline, "
              'so a traced step is one graph (GPU and TPU runtimes overlap its '
-             "stages); 'threads' from one thread per device when called "
-             'eagerly, which overlaps the stages of local CPU devices; '
+             "cells); 'threads' from one thread per device when called "
+             'eagerly, which overlaps the cells on local CPU devices; '
              "'auto' picks 'threads' only for large actions on local CPU "
              "devices, else 'graph' (see dispatch.ChooseExecutor).")
     return p
@@ -241,11 +241,11 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   @property
   def device_mesh(self):
-    """[replica][stage] device names."""
+    """[replica][cell] device names."""
     return [list(r) for r in self._replica_devices]
 
   def DeviceMeshText(self):
-    """The (replicas, stages) device mesh as a printable table."""
+    """The (replicas, cells) device mesh as a printable table."""
     return device_names.DeviceMeshText(
         [d for devices in self._replica_devices for d in devices],
         self.num_replicas)
@@ -315,7 +315,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     except ValueError:
       return None
     if not costs or any(c.flops <= 0 for c in costs):
-      return None  # Cells without a cost model (e.g. Keras stages).
+      return None  # Cells without a cost model (e.g. Keras cells).
     num_micro = (math.ceil(batch / self.p.micro_batch_size)
                  if self.p.micro_batch_size else self.p.num_micro_batches)
     return sum(c.flops for c in costs) / len(costs) / max(num_micro, 1)
@@ -425,7 +425,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         cell's device; returns the micro-batch's mean loss (or per-example
         losses), optionally as `(loss, {'metric': value})`; or a sum and
         the weight it sums over, `(loss_sum, weight)` or `(loss_sum, weight,
-        {'metric': sum})`, e.g. for padded tokens (see stage.ParseLoss).
+        {'metric': sum})`, e.g. for padded tokens (see loss.ParseLoss).
       training: run layers in training mode (dropout, batch-norm stats).
       step: int seeding this step's random ops; default: an internal counter
         (saved with the layer's variables) that advances each call.
