@@ -31,6 +31,14 @@ def _Plain(layer_params):
       name='plain', sub=layer_params).Instantiate()
 
 
+def _Gradients(model, training=True):
+  """The gradients of _Loss on _Data through `model`, under a tape."""
+  x, y = _Data()
+  with tf.GradientTape() as tape:
+    loss = _Loss(model(x, training=training), y)
+  return tape.gradient(loss, model.trainable_variables)
+
+
 class _Backwards:
   """Counts the pipeline's backward passes and what their F actions kept."""
 
@@ -80,15 +88,10 @@ def test_inference_mode_under_a_tape_still_rematerializes(monkeypatch):
   """training=False (fine-tuning with batch norm frozen) keeps only inputs."""
   layer_params = _LayerParams(4)
   x, y = _Data()
-  plain = _Plain(layer_params)
-  with tf.GradientTape() as tape:
-    loss = _Loss(plain(x, training=False), y)
-  ref_grads = tape.gradient(loss, plain.trainable_variables)
+  ref_grads = _Gradients(_Plain(layer_params), training=False)
   pipe = _Pipeline(layer_params, 2, 3)
   backwards = _Backwards(monkeypatch)
-  with tf.GradientTape() as tape:
-    loss = _Loss(pipe(x, training=False), y)
-  _AssertAllClose(tape.gradient(loss, pipe.trainable_variables), ref_grads)
+  _AssertAllClose(_Gradients(pipe, training=False), ref_grads)
   assert backwards.records and set(backwards.records) == {'KeptInput'}
   out = pipe.ComputeLossAndGradients(x, y, _Loss, training=False)
   _AssertAllClose(out.gradients, ref_grads)
@@ -173,15 +176,10 @@ def UnusedVariableParams():
 @pytest.mark.parametrize('traced', [False, True])
 def test_a_variable_the_output_does_not_reach_gets_none(traced):
   layer_params = UnusedVariableParams()
-  x, y = _Data()
   plain, pipe = _Plain(layer_params), _Pipeline(layer_params, 2, 3)
-
-  def Gradients(model):
-    with tf.GradientTape() as tape:
-      loss = _Loss(model(x, training=True), y)
-    return tape.gradient(loss, model.trainable_variables)
-  want = Gradients(plain)
-  got = tf.function(lambda: Gradients(pipe))() if traced else Gradients(pipe)
+  want = _Gradients(plain)
+  got = tf.function(lambda: _Gradients(pipe))() if traced else _Gradients(
+      pipe)
   assert [g is None for g in got] == [g is None for g in want]
   assert sum(g is None for g in got) == 1
   _AssertAllClose([g for g in got if g is not None],
@@ -192,21 +190,15 @@ def test_a_variable_the_output_does_not_reach_gets_none(traced):
 def test_freezing_a_layer_between_steps_is_followed(traced):
   """Keras' fine-tuning idiom: layer.trainable = False after a step."""
   layer_params = _LayerParams(4)
-  x, y = _Data()
   plain, pipe = _Plain(layer_params), _Pipeline(layer_params, 2, 3)
-
-  def Gradients(model):
-    with tf.GradientTape() as tape:
-      loss = _Loss(model(x, training=True), y)
-    return tape.gradient(loss, model.trainable_variables)
   for frozen in (None, 1, 2):
     for model in (plain, pipe):
       for i, layer in enumerate(model.sub if model is plain else [
           l for cell in model.cells for l in cell.sub]):
         layer.trainable = i != frozen
     # A tf.function retraces when the trainable set changes.
-    run = (lambda m: tf.function(lambda: Gradients(m))()) if traced else (
-        Gradients)
+    run = (lambda m: tf.function(lambda: _Gradients(m))()) if traced else (
+        _Gradients)
     want, got = run(plain), run(pipe)
     assert len(got) == len(pipe.trainable_variables) == len(want)
     _AssertAllClose(got, want)

@@ -53,14 +53,21 @@ CELL_ERRORS = (ValueError, TypeError, tf.errors.InvalidArgumentError)
 
 
 @dataclasses.dataclass
-class KeptResiduals:
-  """F kept the forward tensors its backward reads (no re-materialization)."""
+class _KeptValues:
   program: cell_program.CellProgram
   values: dict  # traced tensor name -> value
 
   @property
   def tensors(self):
     return list(self.values.values())
+
+
+class KeptResiduals(_KeptValues):
+  """F kept the forward tensors its backward reads (no re-materialization)."""
+
+
+class KeptForWeights(_KeptValues):
+  """B kept what W reads (zero-bubble schedules)."""
 
 
 @dataclasses.dataclass
@@ -77,17 +84,6 @@ class KeptInput:
   @property
   def tensors(self):
     return list(self.inputs) + list(self.output_gradients or [])
-
-
-@dataclasses.dataclass
-class KeptForWeights:
-  """B kept what W reads (zero-bubble schedules)."""
-  program: cell_program.CellProgram
-  values: dict  # traced tensor name -> value
-
-  @property
-  def tensors(self):
-    return list(self.values.values())
 
 
 @dataclasses.dataclass
