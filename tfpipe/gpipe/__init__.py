@@ -43,5 +43,6 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
         'ZeroBubbleH1Schedule',
     ],
     'split_backward': [],
+    'stage': [],
     'tape_path': [],
 })
