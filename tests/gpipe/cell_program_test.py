@@ -45,17 +45,17 @@ def test_changing_sequence_lengths_relax_shapes_instead_of_retracing():
 
 
 def test_program_caches_are_bounded_and_follow_loss_fn_and_batch_changes():
-  """A new loss_fn closure per step, and batch sizes that change, under
-  the threads dispatcher: results stay right and programs are evicted."""
+  """A new loss_fn closure per step, and batch sizes that change the number
+  of micro-batches, under the threads dispatcher: results stay right (this
+  raised KeyError) and old programs are evicted."""
   layer_params = _LayerParams(4)
   x, y = _Data()
-  pipe = _Pipeline(layer_params, 2, 2, executor='threads')
+  pipe = _Pipeline(layer_params, 2, 1, executor='threads', micro_batch_size=9)
   for step in range(cell_program.MAX_PROGRAMS + 3):
     scale = 1.0 + step
-    batch = plt_test.BATCH - step % 3
+    batch = (plt_test.BATCH, 9)[step % 2]  # M=2, then M=1.
     loss_fn = lambda out, t, scale=scale: scale * _Loss(out, t)
     out = pipe.ComputeLossAndGradients(x[:batch], y[:batch], loss_fn)
     ref_loss, _ = plt_test._Reference(layer_params, x[:batch], y[:batch])  # pylint: disable=protected-access
     np.testing.assert_allclose(out.loss, scale * ref_loss, rtol=1e-5)
-  assert len(pipe.runtime.cells[0][-1].programs) <= (
-      cell_program.MAX_PROGRAMS)
+  assert len(pipe.runtime.cells[0][-1].programs) <= cell_program.MAX_PROGRAMS
