@@ -29,72 +29,77 @@ _LayerParams = plt_test._LayerParams  # pylint: disable=protected-access
 _AssertAllClose = plt_test._AssertAllClose  # pylint: disable=protected-access
 
 _PROBE = textwrap.dedent('''
-    import json, os, sys
+    import gc, json, os, sys
     import tensorflow as tf
     cpus = tf.config.list_physical_devices('CPU')
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration()] * 4)
     from tfpipe import gpipe, layers
-    cfg = json.loads(sys.argv[1])
-    dim, depth = cfg['dim'], cfg['depth']
-    params = [layers.FCLayer.Params().Set(
-        name=f'fc{i}', input_dims=dim, output_dims=dim, activation='tanh',
-        random_seed=i) for i in range(depth)]
-    cells = gpipe.PartitionSequentialLayers(params, 4, balance='params')
-    pipe = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=cells, num_micro_batches=cfg['m'],
-        devices=['/CPU:%d' % i for i in range(4)], schedule=cfg['schedule'],
-        remat_policy=cfg['remat'],
-        executor=cfg.get('executor', 'graph')).Instantiate()
-    x = tf.random.normal([cfg['batch'], dim])
-    loss_fn = lambda y, t: tf.reduce_mean(tf.square(y))
 
-    # Each step uses its gradients, so that a traced step cannot prune them.
-    def TrainStep():
-      out = pipe.ComputeLossAndGradients(x, None, loss_fn)
-      return out.loss + 0.0 * tf.linalg.global_norm(out.gradients)
+    def Peak(cfg):
+      dim, depth = cfg['dim'], cfg['depth']
+      params = [layers.FCLayer.Params().Set(
+          name=f'fc{i}', input_dims=dim, output_dims=dim, activation='tanh',
+          random_seed=i) for i in range(depth)]
+      cells = gpipe.PartitionSequentialLayers(params, 4, balance='params')
+      pipe = gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells, num_micro_batches=cfg['m'],
+          devices=['/CPU:%d' % i for i in range(4)], schedule=cfg['schedule'],
+          remat_policy=cfg['remat'],
+          executor=cfg.get('executor', 'graph')).Instantiate()
+      x = tf.random.normal([cfg['batch'], dim])
+      loss_fn = lambda y, t: tf.reduce_mean(tf.square(y))
 
-    def TapeStep():
-      with tf.GradientTape() as tape:
-        loss = loss_fn(pipe(x, training=True), None)
-      grads = tape.gradient(loss, pipe.trainable_variables)
-      return loss + 0.0 * tf.linalg.global_norm(grads)
+      # Each step uses its gradients, so that a traced step cannot prune them.
+      def TrainStep():
+        out = pipe.ComputeLossAndGradients(x, None, loss_fn)
+        return out.loss + 0.0 * tf.linalg.global_norm(out.gradients)
 
-    forward = tf.function(lambda x: pipe(x, training=True))
-    def OuterTapeStep():  # The tape outside the function that runs pipe(x).
-      with tf.GradientTape() as tape:
-        loss = loss_fn(forward(x), None)
-      grads = tape.gradient(loss, pipe.trainable_variables)
-      return loss + 0.0 * tf.linalg.global_norm(grads)
-    step = {'tape': TapeStep, 'outer_tape': OuterTapeStep}.get(
-        cfg.get('entry'), TrainStep)
-    if cfg.get('traced'):
-      step = tf.function(step)
-    float(step())
-    tf.config.experimental.reset_memory_stats('CPU:0')
-    base = tf.config.experimental.get_memory_info('CPU:0')['current']
-    float(step())
-    peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
-    print('RESULT' + json.dumps({'peak': peak - base}))
+      def TapeStep():
+        with tf.GradientTape() as tape:
+          loss = loss_fn(pipe(x, training=True), None)
+        grads = tape.gradient(loss, pipe.trainable_variables)
+        return loss + 0.0 * tf.linalg.global_norm(grads)
+
+      forward = tf.function(lambda x: pipe(x, training=True))
+      def OuterTapeStep():  # The tape outside the function with pipe(x).
+        with tf.GradientTape() as tape:
+          loss = loss_fn(forward(x), None)
+        grads = tape.gradient(loss, pipe.trainable_variables)
+        return loss + 0.0 * tf.linalg.global_norm(grads)
+      step = {'tape': TapeStep, 'outer_tape': OuterTapeStep}.get(
+          cfg.get('entry'), TrainStep)
+      if cfg.get('traced'):
+        step = tf.function(step)
+      float(step())
+      gc.collect()
+      tf.config.experimental.reset_memory_stats('CPU:0')
+      base = tf.config.experimental.get_memory_info('CPU:0')['current']
+      float(step())
+      return tf.config.experimental.get_memory_info('CPU:0')['peak'] - base
+
+    # One process for all: each pipeline is freed before the next is built.
+    print('RESULT' + json.dumps([Peak(cfg) for cfg in json.loads(sys.argv[1])]))
 ''')
 
 
-def _PeakBytes(**cfg):
+def _PeakBytes(*configs):
+  """The peak bytes one step adds, per configuration (one process for all)."""
   env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true',
              TF_CPP_MIN_LOG_LEVEL='2', TF_NUM_INTEROP_THREADS='1',
              TF_NUM_INTRAOP_THREADS='1')
-  proc = subprocess.run([sys.executable, '-c', _PROBE, json.dumps(cfg)],
+  proc = subprocess.run([sys.executable, '-c', _PROBE, json.dumps(configs)],
                         env=env, capture_output=True, text=True, timeout=240,
                         check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT')]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-  return json.loads(lines[-1][len('RESULT'):])['peak']
+  return json.loads(lines[-1][len('RESULT'):])
 
 
 def test_remat_lowers_peak_memory_on_a_deep_model():
   common = dict(dim=256, depth=32, batch=512, m=4, schedule='gpipe')
-  no_remat = _PeakBytes(remat='never', **common)
-  remat = _PeakBytes(remat='always', **common)
+  no_remat, remat = _PeakBytes(dict(remat='never', **common),
+                               dict(remat='always', **common))
   # Without remat every layer's activations live until backward; with it only
   # the 4 cell boundaries do (plus one cell being recomputed).
   assert remat < 0.6 * no_remat, (remat, no_remat)
@@ -102,13 +107,12 @@ def test_remat_lowers_peak_memory_on_a_deep_model():
 
 def test_1f1b_and_zb_h1_peak_memory_below_gpipe_at_16_micro_batches():
   common = dict(dim=256, depth=16, batch=1024, m=16, remat='never')
-  gpipe_peak = _PeakBytes(schedule='gpipe', **common)
-  one_f_one_b_peak = _PeakBytes(schedule='1f1b', **common)
+  gpipe_peak, one_f_one_b_peak, zero_bubble_peak = _PeakBytes(
+      *[dict(schedule=s, **common) for s in ('gpipe', '1f1b', 'zb_h1')])
   assert one_f_one_b_peak < 0.8 * gpipe_peak, (one_f_one_b_peak, gpipe_peak)
   # ZB-H1 frees a micro-batch's activations at its W. It holds K micro-
   # batches on every device where 1F1B holds K-k, and the devices share one
   # allocator here, so its total is up to sum(K) / sum(K-k) = 1.6x 1F1B's.
-  zero_bubble_peak = _PeakBytes(schedule='zb_h1', **common)
   in_flight = [sum(schedule_lib.MaxInFlight(schedule_lib.MakeSchedule(
       name, 4, 16))) for name in ('zb_h1', '1f1b')]
   assert in_flight == [16, 10]
@@ -133,8 +137,7 @@ def test_tape_path_memory_does_not_grow_with_micro_batches(entry, traced,
   common = dict(dim=512, depth=8, batch=256, remat='always',
                 schedule='gpipe', entry=entry, traced=traced,
                 executor=executor)
-  one = _PeakBytes(m=1, **common)
-  sixteen = _PeakBytes(m=16, **common)
+  one, sixteen = _PeakBytes(dict(m=1, **common), dict(m=16, **common))
   assert sixteen <= 1.3 * one, (sixteen / 2**20, one / 2**20)
 
 
