@@ -202,3 +202,35 @@ def test_freezing_a_layer_between_steps_is_followed(traced):
     want, got = run(plain), run(pipe)
     assert len(got) == len(pipe.trainable_variables) == len(want)
     _AssertAllClose(got, want)
+
+
+def test_a_keras_model_through_tfpipe_keras_follows_freezing_and_gets_none():
+  """The engine under tfpipe.keras: a Keras model's unused and frozen
+  variables get what plain Keras gives them."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tfpipe.keras  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(1)
+  inputs = keras.Input((plt_test.DIM,))
+  h = inputs
+  for i in range(4):
+    h = keras.layers.Dense(plt_test.DIM, activation='tanh', name=f'd{i}')(h)
+  model = keras.Model(inputs, h)
+  unused = keras.layers.Dense(2, name='unused')
+  unused.build((None, plt_test.DIM))
+  model.unused = unused  # Tracked by the model, reached by no loss.
+  piped = tfpipe.keras.pipeline(model, num_partitions=2, num_micro_batches=3,
+                                devices=['/CPU:0', '/CPU:1'], balance=[2, 2])
+  x, y = _Data()
+
+  def Gradients(m):
+    with tf.GradientTape() as tape:
+      loss = _Loss(m(x, training=True), y)
+    return tape.gradient(loss, model.trainable_variables)
+  for frozen in (None, 'd1'):
+    for layer in model.layers:
+      layer.trainable = layer.name != frozen
+    want, got = Gradients(model), Gradients(piped)
+    assert [g is None for g in got] == [g is None for g in want]
+    assert sum(g is None for g in got) == 2  # unused's kernel and bias.
+    _AssertAllClose([g for g in got if g is not None],
+                    [g for g in want if g is not None])
