@@ -148,7 +148,7 @@ def _MeasureGrpc(jobs, executor):
   tf = bench_lib.tf
   servers.ConnectToCluster(tf.train.ClusterSpec(jobs))
   k = FLAGS.num_cells
-  devices = device_names.PipelineDevices(k, k)
+  devices = device_names.WorkerDevices(k, k)
   cells = gpipe.PartitionSequentialLayers(_LayerParams(), k, balance='params')
   with tf.device(devices[0]):
     x = tf.random.stateless_normal([FLAGS.batch, FLAGS.dim], seed=[1, 2])

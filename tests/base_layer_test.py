@@ -260,30 +260,35 @@ def test_compute_output_shape_uses_fprop_meta():
 # ---- step context -----------------------------------------------------------
 
 
-def test_stateless_seed_only_inside_a_step_and_per_layer():
+def _Seed(layer, salt=''):
+  """The [2] seed a layer's draw named `salt` gets in the current step."""
+  return base_layer.SaltedStepSeed(layer.SeedSalt(salt))
+
+
+def test_salted_step_seed_only_inside_a_step_and_per_layer():
   a = _Affine2x3('a').Instantiate()
   b = _Affine2x3('b').Instantiate()
-  assert a.StatelessSeed() is None
+  assert _Seed(a) is None
   step = tf.constant([5, 9], tf.int32)
   with base_layer.StepSeed(step):
     assert base_layer.CurrentStepSeed() is step
-    sa1 = a.StatelessSeed().numpy()
-    sa2 = a.StatelessSeed().numpy()
-    sb = b.StatelessSeed().numpy()
-    salted = a.StatelessSeed('mask').numpy()
+    sa1 = _Seed(a).numpy()
+    sa2 = _Seed(a).numpy()
+    sb = _Seed(b).numpy()
+    salted = _Seed(a, 'mask').numpy()
   assert base_layer.CurrentStepSeed() is None
-  assert a.StatelessSeed() is None
+  assert _Seed(a) is None
   np.testing.assert_array_equal(sa1, sa2)
   assert sa1.shape == (2,)
   assert not np.array_equal(sa1, sb)
   assert not np.array_equal(sa1, salted)
   with base_layer.StepSeed(tf.constant([6, 9], tf.int32)):
-    assert not np.array_equal(a.StatelessSeed().numpy(), sa1)
+    assert not np.array_equal(_Seed(a).numpy(), sa1)
   # A fresh layer of the same name reproduces the seed (what a recomputed
   # forward relies on).
   with base_layer.StepSeed(step):
-    np.testing.assert_array_equal(_Affine2x3('a').Instantiate()
-                                  .StatelessSeed().numpy(), sa1)
+    np.testing.assert_array_equal(_Seed(_Affine2x3('a').Instantiate()).numpy(),
+                                  sa1)
 
 
 def test_seed_path_leaves_out_the_cells_and_sequential_containers():
@@ -302,7 +307,7 @@ def test_seed_path_leaves_out_the_cells_and_sequential_containers():
                                                    'block_0/named']
   assert _Parent.Params().Set(name='p').Instantiate().SeedPath() == 'p'
   with base_layer.StepSeed(tf.constant([4, 1], tf.int64)):
-    seeds = [c.Instantiate().sub[0].child.StatelessSeed().numpy()
+    seeds = [_Seed(c.Instantiate().sub[0].child).numpy()
              for c in (one_cell, one_cell.Copy().Set(name='cell1'))]
   np.testing.assert_array_equal(seeds[0], seeds[1])
 
@@ -410,16 +415,6 @@ def test_deferred_stats_are_routed_and_applied_once_per_layer():
   # Records are consumed: a second Apply applies nothing.
   assert not collector.Apply() and len(collector) == 0
   assert len(a.applied) == 1
-
-
-def test_recomputing_is_scoped_and_nests():
-  assert not base_layer.IsRecomputing()
-  with base_layer.Recomputing():
-    assert base_layer.IsRecomputing()
-    with base_layer.Recomputing(False):
-      assert not base_layer.IsRecomputing()
-    assert base_layer.IsRecomputing()
-  assert not base_layer.IsRecomputing()
 
 
 # ---- Keras integration ------------------------------------------------------

@@ -45,25 +45,25 @@ def test_a_name_that_is_not_a_device_is_refused():
 
 
 def test_pipeline_devices_are_replica_major_over_the_workers():
-  assert device_names.PipelineDevices(2, 2) == [
+  assert device_names.WorkerDevices(2, 2) == [
       '/job:worker/replica:0/task:0/device:CPU:0',
       '/job:worker/replica:0/task:1/device:CPU:0']
-  devices = device_names.PipelineDevices(2, 4, num_replicas=2)
+  devices = device_names.WorkerDevices(2, 4, num_replicas=2)
   assert [d.split('/')[3] for d in devices] == [
       'task:0', 'task:1', 'task:2', 'task:3']
-  shared = device_names.PipelineDevices(4, 2, devices_per_worker=2)
+  shared = device_names.WorkerDevices(4, 2, devices_per_worker=2)
   assert [d.split('/', 3)[3] for d in shared] == [
       'task:0/device:CPU:0', 'task:1/device:CPU:0', 'task:0/device:CPU:1',
       'task:1/device:CPU:1']
   with pytest.raises(ValueError, match='num_workers'):
-    device_names.PipelineDevices(2, 0)
+    device_names.WorkerDevices(2, 0)
 
 
 def test_device_mesh_text_shows_each_replica_s_stages():
-  devices = device_names.PipelineDevices(2, 4, num_replicas=2)
+  devices = device_names.WorkerDevices(2, 4, num_replicas=2)
   text = device_names.DeviceMeshText(devices, 2)
   assert text.splitlines() == [
-      'device mesh: 2 replica(s) x 2 stage(s)',
+      'device mesh: 2 replica(s) x 2 cell(s)',
       '  replica 0: [0] /job:worker/replica:0/task:0/device:CPU:0  '
       '[1] /job:worker/replica:0/task:1/device:CPU:0',
       '  replica 1: [0] /job:worker/replica:0/task:2/device:CPU:0  '

@@ -164,7 +164,7 @@ def test_killed_worker_stops_the_controller_and_a_restart_resumes(tmp_path, base
   assert detection_s <= _DETECTION_BOUND_S, detection_s
   assert (f'Worker /job:worker/task:1 at {address} is unreachable'
           in first.Text()), first.Text()
-  assert 'device mesh: 1 replica(s) x 2 stage(s)' in first.Text()
+  assert 'device mesh: 1 replica(s) x 2 cell(s)' in first.Text()
   assert '/job:worker/replica:0/task:1/device:CPU:0' in first.Text()
   losses = _Losses(first.lines)
   assert max(losses) < 55, 'the first run went too far to test a resume'
@@ -196,7 +196,7 @@ def test_replicas_times_stages_on_four_workers(tmp_path, baseline):
   # Five TensorFlow processes (4 workers, the controller), and none of their
   # C++ start-up log.
   assert quiet_test.StartupLines(text) == [], text
-  assert 'device mesh: 2 replica(s) x 2 stage(s)' in text
+  assert 'device mesh: 2 replica(s) x 2 cell(s)' in text
   assert '[1] /job:worker/replica:0/task:3/device:CPU:0' in text
   losses = _Losses(launch.lines)
   assert sorted(losses) == list(range(1, 7))

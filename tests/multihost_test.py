@@ -183,7 +183,7 @@ def test_set_up_controller_places_replicas_on_workers(monkeypatch, calls, capsys
   assert controller.workers == workers
   assert controller.io_device == '/job:controller/replica:0/task:0/device:CPU:0'
   assert controller.watchdog.tasks == workers
-  assert 'device mesh: 2 replica(s) x 2 stage(s)' in capsys.readouterr().out
+  assert 'device mesh: 2 replica(s) x 2 cell(s)' in capsys.readouterr().out
 
 
 def test_set_up_controller_validates_before_connecting(monkeypatch, calls):

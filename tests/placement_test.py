@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import layers
 from tfpipe import placement
 
 
@@ -69,11 +70,10 @@ def test_audit_names_an_unplaced_update_and_ignores_scalars():
     return tf.reduce_sum(g) * 2.0   # A scalar result costs nothing there.
   findings = placement.Audit(Update, tf.TensorSpec([64, 64]))
   types = {f.op_type for f in findings}
-  assert {'Mul', 'AddV2'} <= types, placement.FormatFindings(findings)
+  assert {'Mul', 'AddV2'} <= types, findings
   assert 'Sum' in types  # Reads the 64x64 input off its device.
   assert all('64' in f.tensor for f in findings)
-  text = placement.FormatFindings(findings, limit=1)
-  assert 'has no device' in text and 'more' in text
+  assert 'has no device' in str(findings[0])
 
 
 def test_audit_looks_inside_called_functions_with_the_callers_device():
@@ -90,7 +90,7 @@ def test_audit_looks_inside_called_functions_with_the_callers_device():
   assert not placement.Audit(Placed, spec)
   found = placement.Audit(Unplaced, spec)
   assert any(f.op_type == 'Mul' and f.function != 'Unplaced' for f in found), (
-      placement.FormatFindings(found))
+      found)
 
 
 def test_returned_tensors_stay_on_their_device_to_the_end_of_the_trace():
@@ -130,7 +130,7 @@ def test_keras_optimizer_update_is_placed_per_variable():
   specs = (tf.TensorSpec([4, 4]), tf.TensorSpec([64, 64]))
   assert not placement.Audit(lambda a, b: Apply(a, b, True), *specs)
   unplaced = placement.Audit(lambda a, b: Apply(a, b, False), *specs)
-  assert len(unplaced) > 5, placement.FormatFindings(unplaced)
+  assert len(unplaced) > 5, unplaced
   # And the placed update still computes Adam.
   before = large.numpy().copy()
   tf.function(lambda a, b: Apply(a, b, True))(tf.ones([4, 4]),
@@ -158,7 +158,7 @@ def test_audit_sees_one_op_gathering_every_device_s_gradients():
   specs = [tf.TensorSpec([32, 32])] * 3
   gathered = placement.Audit(lambda g: Apply(g, False), specs)
   assert [f.op_type for f in gathered] == ['IdentityN'], (
-      placement.FormatFindings(gathered))
+      gathered)
   assert gathered[0].kind == 'gathers'
   assert 'from 2 other devices' in str(gathered[0])
   assert not placement.Audit(lambda g: Apply(g, True), specs)
@@ -166,3 +166,12 @@ def test_audit_sees_one_op_gathering_every_device_s_gradients():
   np.testing.assert_allclose(variables[2].numpy(), 0.9 * np.ones([32, 32]))
   assert not hasattr(optimizer, '__dict__') or (
       '_all_reduce_sum_gradients' not in optimizer.__dict__)
+
+
+def test_tf_variable_unwraps_keras_variables():
+  layer = layers.FCLayer.Params().Set(name='fc', input_dims=2,
+                                      output_dims=2).Instantiate()
+  for v in layer.trainable_variables:
+    assert isinstance(placement.TfVariable(v), tf.Variable)
+  plain = tf.Variable(1.0)
+  assert placement.TfVariable(plain) is plain

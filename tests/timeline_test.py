@@ -16,7 +16,7 @@ from tfpipe import timeline
 from tfpipe.gpipe import schedule as schedule_lib
 
 # Cross-device start/end timestamps wait on the same tensor, not on each
-# other (see timeline.DependencyViolations), so allow scheduler jitter.
+# other (see Timeline.OrderViolations), so allow scheduler jitter.
 _CROSS_DEVICE_SLACK_S = 0.02
 
 
@@ -62,13 +62,13 @@ def test_every_action_once(recorded):
 
 def test_device_order_is_kept(recorded):
   for d in range(recorded.num_devices):
-    rows = recorded.DeviceActions(d)
-    for (_, _, prev_end), (_, start, _) in zip(rows, rows[1:]):
-      assert start >= prev_end
+    acts = recorded.schedule.device_actions[d]
+    for prev, a in zip(acts, acts[1:]):
+      assert recorded.start_times[a] >= recorded.end_times[prev]
 
 
 def test_dependencies_are_respected(recorded):
-  assert not timeline.DependencyViolations(recorded, _CROSS_DEVICE_SLACK_S)
+  assert not recorded.OrderViolations(_CROSS_DEVICE_SLACK_S)
 
 
 def test_bubble_and_prediction(recorded):

@@ -31,6 +31,7 @@ import threading
 import keras
 from keras.src.backend.common import name_scope as keras_name_scope
 import tensorflow as tf
+from tensorflow.python.autograph.core import ag_ctx  # pylint: disable=g-direct-tensorflow-import
 
 from tfpipe import cost_model
 from tfpipe import hyperparams
@@ -65,7 +66,6 @@ class _StepContext(threading.local):
     self.seed = None
     self.example_offset = None
     self.stats_collector = None
-    self.recomputing = False
 
 
 _STEP_CONTEXT = _StepContext()
@@ -142,20 +142,18 @@ def CurrentStatsCollector():
   return _STEP_CONTEXT.stats_collector
 
 
-@contextlib.contextmanager
-def Recomputing(value=True):
-  """Marks a re-materialized forward: layers must not update state again."""
-  old = _STEP_CONTEXT.recomputing
-  _STEP_CONTEXT.recomputing = value
-  try:
-    yield
-  finally:
-    _STEP_CONTEXT.recomputing = old
+_CONVERTING = ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
 
 
-def IsRecomputing():
-  """True while the pipeline recomputes a cell's forward for its backward pass."""
-  return _STEP_CONTEXT.recomputing
+def Autograph(fn):
+  """`fn` converted by autograph, as a tf.function with autograph=True would.
+
+  The pipeline traces its cells' functions with autograph off (its own
+  Python control flow is trace-time logic); user code (a layer's FProp, a
+  loss_fn) is converted here instead. Modules autograph leaves alone
+  (TensorFlow, Keras) are called unchanged.
+  """
+  return tf.__internal__.autograph.tf_convert(fn, _CONVERTING)
 
 
 # ---- step randomness ---------------------------------------------------------
@@ -499,7 +497,13 @@ class BaseLayer(keras.layers.Layer):
   def call(self, inputs, training=None, **kwargs):
     if self._fprop_accepts_training:
       kwargs['training'] = training
-    return self.FProp(inputs, **kwargs)
+    fprop = self.FProp
+    if not tf.executing_eagerly() and not type(self).FProp.__module__.startswith(
+        'tfpipe.'):
+      # A user's FProp is traced as a tf.function's code is: a Python `if`
+      # on a tensor works. tfpipe's own layers need no conversion.
+      fprop = Autograph(fprop)
+    return fprop(inputs, **kwargs)
 
   def build(self, input_shape):
     """Builds children in order; layers that made their variables in __init__ need nothing."""
@@ -533,16 +537,6 @@ class BaseLayer(keras.layers.Layer):
   def SeedSalt(self, salt=''):
     """An int that tells this layer's random draws (named `salt`) apart."""
     return _StableHash(self.SeedPath() + salt)
-
-  def StatelessSeed(self, salt=''):
-    """A [2] seed for stateless random ops, or None outside a pipeline step.
-
-    Derived from the step seed set by the pipeline and SeedPath(), so a
-    recomputed forward sees the same random numbers as the original one,
-    in whichever cell the layer runs. It changes with the micro-batch: use
-    StepRandomBits (or DropoutLayer) for values that do not depend on M.
-    """
-    return SaltedStepSeed(self.SeedSalt(salt))
 
   # ---- cost model ---------------------------------------------------------
 

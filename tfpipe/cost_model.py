@@ -30,7 +30,10 @@ class CostMeta:
 
 
 def LeafShapes(shape):
-  """The leaf shapes of a nested structure of shapes, as tuples."""
+  """The leaf shapes of a nested structure of shapes, as tuples (None
+  leaves, absent inputs, have none)."""
+  if shape is None:
+    return []
   if _IsShape(shape):
     return [tuple(shape)]
   values = shape.values() if isinstance(shape, dict) else shape

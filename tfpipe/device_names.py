@@ -8,8 +8,8 @@ compares (the pipeline's device check, the placement audit, the
 benchmarks' placement checks); a process's own devices are job 'localhost',
 replica 0, task 0, as TensorFlow names them.
 
-A pipeline of R replicas x K stages takes a replica-major device list
-(slot r*K + k); `PipelineDevices` lays such a list out over the workers of
+A pipeline of R replicas x K cells takes a replica-major device list
+(slot r*K + k); `WorkerDevices` lays such a list out over the workers of
 a cluster, and `DeviceMeshText` prints any such list as a table.
 
 TensorFlow is imported only inside the function that needs it.
@@ -37,32 +37,32 @@ def SameDevice(a, b):
   return CanonicalDevice(a) == CanonicalDevice(b)
 
 
-def PipelineDevices(num_stages, num_workers, num_replicas=1,
-                    device_type='CPU', job=cluster_spec.WORKER_JOB,
-                    devices_per_worker=1):
+def WorkerDevices(num_cells, num_workers, num_replicas=1,
+                  device_type='CPU', job=cluster_spec.WORKER_JOB,
+                  devices_per_worker=1):
   """R*K device names, replica-major, spread over W workers.
 
-  Slot i = r*K + k (replica r, stage k) goes to worker i % W, device
+  Slot i = r*K + k (replica r, cell k) goes to worker i % W, device
   (i // W) % devices_per_worker: with W >= R*K every cell has its own worker;
   with fewer workers they are shared round-robin.
   """
-  for name, value in (('num_stages', num_stages), ('num_workers', num_workers),
+  for name, value in (('num_cells', num_cells), ('num_workers', num_workers),
                       ('num_replicas', num_replicas),
                       ('devices_per_worker', devices_per_worker)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f'{name} must be an int >= 1; received {value!r}.')
   return [f'/job:{job}/replica:0/task:{i % num_workers}/device:{device_type}:'
           f'{(i // num_workers) % devices_per_worker}'
-          for i in range(num_stages * num_replicas)]
+          for i in range(num_cells * num_replicas)]
 
 
 def DeviceMeshText(devices, num_replicas):
-  """The (replicas, stages) mesh of a replica-major device list, as a table."""
+  """The (replicas, cells) mesh of a replica-major device list, as a table."""
   if num_replicas < 1 or not devices or len(devices) % num_replicas:
     raise ValueError(f'{len(devices)} devices do not make {num_replicas} '
-                     'equal replicas; give num_replicas x stages devices.')
+                     'equal replicas; give num_replicas x cells devices.')
   k = len(devices) // num_replicas
-  rows = [f'device mesh: {num_replicas} replica(s) x {k} stage(s)']
+  rows = [f'device mesh: {num_replicas} replica(s) x {k} cell(s)']
   for r in range(num_replicas):
     rows.append(f'  replica {r}: ' + '  '.join(
         f'[{s}] {d}' for s, d in enumerate(devices[r * k:(r + 1) * k])))

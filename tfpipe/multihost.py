@@ -9,8 +9,8 @@ trainer needs two calls to run anywhere:
     ...
     controller.Run(trainer)                           # watchdog + checkpoint IO
 
-A controller places replica r's stage k on a worker device (see
-`device_names.PipelineDevices`), so only the controller's program creates
+A controller places replica r's cell k on a worker device (see
+`device_names.WorkerDevices`), so only the controller's program creates
 variables and runs steps; it also makes every checkpoint read and write go
 through its own CPU (`experimental_io_device`), so the checkpoint files land
 on the controller's file system whatever worker holds a variable.
@@ -176,7 +176,7 @@ def SetUpController(flag_values, params):
   """Connects a --job=controller to its workers and places the pipeline.
 
   Sets params.task.pipeline.devices to its R*K worker devices
-  (task.pipeline.num_replicas replicas of num_partitions stages), prints the
+  (task.pipeline.num_replicas replicas of num_partitions cells), prints the
   device mesh, and returns a Controller whose watchdog already runs (it
   watches the connection itself); without a cluster returns None. Must run
   after the local devices are configured.
@@ -202,7 +202,7 @@ def SetUpController(flag_values, params):
       raise
   from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
   out_of_memory.ClearWorkerReports(workers)
-  devices = device_names.PipelineDevices(
+  devices = device_names.WorkerDevices(
       pipeline.num_partitions, len(workers), num_replicas,
       devices_per_worker=flag_values.devices_per_worker)
   pipeline.devices = devices

@@ -3,11 +3,11 @@
 A pipeline exists to spread a model over several accelerators' separate
 memories. An op left without a device (an optimizer update, a gradient
 clip, an accumulation) runs on the default device, GPU:0, and pulls every
-tensor it reads there: on 8 GPUs of 8 GiB, an unplaced Adam update put all
-of a model's weights, gradients and slots on GPU:0, which ran out of memory
-while the other seven held 1.25 GiB each. Logical CPU devices share one
-allocator, so a CPU test cannot see this by measuring memory. This module
-gives two tools:
+tensor it reads there: an unplaced Adam update puts all of a model's
+weights, gradients and slots on GPU:0, which runs out of memory while the
+other devices hold little (benchmarks/device_memory.py; benchmarks/RESULTS.md
+has the measurements). Logical CPU devices share one allocator, so a CPU
+test cannot see this by measuring memory. This module gives two tools:
 
   FollowInputDevices()  a scope for code tfpipe does not write (a Keras
       optimizer's update, gradient clipping, a user's loss): inside a traced
@@ -18,14 +18,14 @@ gives two tools:
   Audit(fn, *args)  traces `fn` and lists the ops that would run on the
       default device while reading or producing a floating-point tensor of
       more than one element: the ones that cost memory where they run.
-      Nested functions (stage functions, cond branches) are audited with
+      Nested functions (cell functions, cond branches) are audited with
       their caller's device as the default, which is how TensorFlow places
       them.
 """
 
 import contextlib
 import dataclasses
-from typing import List, Optional
+from typing import List
 
 import tensorflow as tf
 
@@ -154,7 +154,7 @@ def NoSingleReplicaAllReduce(optimizer):
   context's all-reduce even without a tf.distribute strategy, where it is
   an identity, written as one IdentityN over every gradient: an op that one
   device has to run, so every gradient of the pipeline is copied there
-  (measured: +77 MiB on worker 0 of 4, on 32 MiB of gradients). Outside a
+  (benchmarks/device_memory.py measures it, benchmarks/RESULTS.md). Outside a
   strategy nothing is reduced, so the step skips it; under a strategy it
   runs as Keras wrote it.
   """
@@ -179,6 +179,13 @@ def _Unreduced(grads_and_vars):
   return list(grads_and_vars)
 
 
+def TfVariable(v):
+  """The tf.Variable behind a Keras variable (tapes watch, and devices hold,
+  that one); a tf.Variable itself."""
+  value = getattr(v, 'value', None)
+  return value if isinstance(value, tf.Variable) else v
+
+
 def OnVariableDevices(tensors, variables):
   """Pins each tensor to its variable's device (None stays None).
 
@@ -192,8 +199,7 @@ def OnVariableDevices(tensors, variables):
     if t is None:
       result.append(None)
       continue
-    value = getattr(v, 'value', v)
-    with tf.device(getattr(value, 'device', None) or v.device):
+    with tf.device(TfVariable(v).device):
       result.append(tf.identity(t))
   return result
 
@@ -310,10 +316,3 @@ def Audit(fn, *args, **kwargs) -> List[Finding]:
   findings = []
   _AuditGraph(concrete.graph, None, concrete.graph.name, findings, set())
   return findings
-
-
-def FormatFindings(findings: List[Finding], limit: Optional[int] = 20):
-  lines = [str(f) for f in findings[:limit]]
-  if limit is not None and len(findings) > limit:
-    lines.append(f'... and {len(findings) - limit} more')
-  return '\n'.join(lines)

@@ -52,6 +52,11 @@ def _ImportPyplotFree():
   return Figure, FigureCanvasAgg
 
 
+# Timestamps on two devices of one action and its prerequisite wait for the
+# same tensor, not for each other: a gap this small is the timer's jitter.
+_TIMER_JITTER_S = 1e-4
+
+
 @dataclasses.dataclass
 class Timeline:
   """One recorded step: per-action times and the simulator's prediction.
@@ -104,10 +109,27 @@ class Timeline:
     return schedule_lib.IdealBubbleFraction(self.schedule.num_cells,
                                             self.schedule.num_micro_batches)
 
-  def DeviceActions(self, device):
-    """[(action, start, end)] of one device, in the schedule's order."""
-    return [(a, self.start_times[a], self.end_times[a])
-            for a in self.schedule.device_actions[device]]
+  def OrderViolations(self, tolerance=0.0):
+    """Actions that started before a dependency or a device predecessor ended.
+
+    Returns a list of (action, prerequisite, seconds early). A start and the
+    end of an action on another device it depends on both wait only for the
+    same tensor, so tiny negative gaps across devices are timer order, not
+    reordering; `tolerance` allows for them.
+    """
+    found = []
+    s = self.schedule
+    for acts in s.device_actions:
+      for prev, a in zip(acts, acts[1:]):
+        gap = self.start_times[a] - self.end_times[prev]
+        if gap < -tolerance:
+          found.append((a, prev, -gap))
+      for a in acts:
+        for dep in schedule_lib.Dependencies(a, s.num_cells):
+          gap = self.start_times[a] - self.end_times[dep]
+          if gap < -tolerance:
+            found.append((a, dep, -gap))
+    return found
 
   def Text(self, width=None):
     """The measured timeline as text, one row per device."""
@@ -168,6 +190,12 @@ class Timeline:
     if self.weight_costs:
       lines.append('  per-cell W ms: ' + ' '.join(
           f'{c * 1e3:.2f}' for c in self.weight_costs))
+    early = self.OrderViolations(tolerance=_TIMER_JITTER_S)
+    lines.append('  order      ' + (
+        f'{len(early)} action(s) started before a prerequisite ended, by up '
+        f'to {max(e for _, _, e in early) * 1e3:.2f} ms (across devices, '
+        'timer order)' if early else
+        'every action started after its prerequisites ended'))
     return '\n'.join(lines)
 
   def SavePng(self, path, title=None, show_prediction=True, dpi=110):
@@ -299,27 +327,3 @@ def RecordStep(pipe, inputs, targets, loss_fn, warmup_steps=1, step=None,
   sched = pipe.Schedule(num_micro_batches, replica)
   return FromActionTimes(sched, out.action_times,
                          replica if pipe.num_replicas > 1 else None)
-
-
-def DependencyViolations(tl, tolerance=0.0):
-  """Actions that started before a dependency or a device predecessor ended.
-
-  Returns a list of (action, prerequisite, seconds early). A start and the
-  end of an action on another device it depends on both wait only for the
-  same tensor, so tiny negative gaps across devices are timer order, not
-  reordering; `tolerance` allows for them.
-  """
-  found = []
-  s = tl.schedule
-  for acts in s.device_actions:
-    for prev, a in zip(acts, acts[1:]):
-      gap = tl.start_times[a] - tl.end_times[prev]
-      if gap < -tolerance:
-        found.append((a, prev, -gap))
-  for acts in s.device_actions:
-    for a in acts:
-      for dep in schedule_lib.Dependencies(a, s.num_cells):
-        gap = tl.start_times[a] - tl.end_times[dep]
-        if gap < -tolerance:
-          found.append((a, dep, -gap))
-  return found

@@ -1,5 +1,10 @@
 """Device checks: each bad list fails before any cell is built, naming the fix."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from tfpipe.gpipe import cell_devices
@@ -37,3 +42,29 @@ def test_fewer_devices_than_cells_suggests_round_robin():
     cell_devices.ResolveDevices(['/CPU:0'], 2)
   assert cell_devices.ResolveDevices(['/CPU:0', '/CPU:1'], 3, True) == [
       '/CPU:0', '/CPU:1', '/CPU:0']
+
+
+def test_devices_none_splits_the_device_before_tensorflow_starts():
+  """As documented: with one device and K=2, the default splits it in two.
+
+  Run in a fresh process: the test process has long started TensorFlow
+  (tests/conftest.py split its CPU already).
+  """
+  code = textwrap.dedent('''
+      from tfpipe import gpipe, layers
+      params = [layers.FCLayer.Params().Set(name=f'fc{i}', input_dims=4,
+                                            output_dims=4) for i in range(2)]
+      cells = gpipe.PartitionSequentialLayers(params, 2, balance=[1, 1])
+      pipe = gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells, num_micro_batches=2).Instantiate()
+      print('DEVICES', pipe.cell_devices)
+  ''')
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', CUDA_VISIBLE_DEVICES='')
+  proc = subprocess.run([sys.executable, '-c', code], env=env, text=True,
+                        capture_output=True, timeout=120, check=False,
+                        cwd=os.path.dirname(os.path.dirname(
+                            os.path.dirname(os.path.abspath(__file__)))))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith('DEVICES')][0]
+  devices = eval(line[len('DEVICES'):])  # pylint: disable=eval-used
+  assert len(devices) == 2 and len(set(devices)) == 2, devices

@@ -7,8 +7,6 @@ in one device thread ends the step with the cell named, instead of leaving
 the other threads waiting.
 """
 
-import threading
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -127,7 +125,7 @@ def test_recorded_times_cover_every_action_in_dependency_order():
   pipe = _Pipeline(layer_params, 2, 4, executor='threads')
   tl = timeline.RecordStep(pipe, x, y, _Loss)
   assert len(tl.start_times) == len(tl.end_times) == 2 * 2 * 4
-  assert not timeline.DependencyViolations(tl, tolerance=1e-4)
+  assert not tl.OrderViolations(tolerance=1e-4)
 
 
 def test_error_in_a_device_thread_names_the_cell_and_does_not_hang():
@@ -166,10 +164,10 @@ def test_inside_tf_function_emits_the_cell_functions_into_one_graph(schedule):
     _AssertAllClose(grads, ref.gradients)
   eager = pipe.ComputeLossAndGradients(x, y, _Loss, step=2)
   np.testing.assert_allclose(eager.loss, ref.loss, rtol=1e-6)
-  # A few functions per cell (forward, backward; the last cell's loss
-  # variants), whatever M is.
-  counts = [len(stage._functions) for stage in pipe.runtime.stages[0]]  # pylint: disable=protected-access
-  assert counts[:2] == [2, 2] and counts[2] <= 3, counts
+  # A few programs per cell (17 examples make micro-batches of 4 and 3,
+  # and the last cell traces with and without the loss), whatever M is.
+  counts = [len(cell.programs) for cell in pipe.runtime.cells[0]]
+  assert max(counts) <= 4, counts
 
 
 def test_recorded_times_inside_tf_function():
@@ -183,7 +181,7 @@ def test_recorded_times_inside_tf_function():
   times = Step(x, y)
   tl = timeline.FromActionTimes(pipe.Schedule(3), times)
   assert len(tl.start_times) == 12
-  assert not timeline.DependencyViolations(tl, tolerance=1e-4)
+  assert not tl.OrderViolations(tolerance=1e-4)
 
 
 @pytest.mark.parametrize('executor', ['graph', 'threads'])
@@ -198,31 +196,6 @@ def test_loss_fn_runs_once_per_micro_batch(executor):
   x, y = _Data()
   pipe.ComputeLossAndGradients(x, y, CountingLoss)
   assert int(calls.numpy()) == 4
-
-
-def test_threads_isolate_the_forward_from_the_callers_tape():
-  """Eagerly under a tape, the forward runs where the tape cannot record it.
-
-  A recorded function call keeps all of its activations for the tape; the
-  pipeline runs its own backward instead.
-  """
-  pipe = _Pipeline(_LayerParams(4), 2, 2)
-  seen = []
-  isolated = pipe._Dispatcher(_Data()[0], isolate=True)  # pylint: disable=protected-access
-  assert isinstance(isolated, dispatch.Isolated)
-  program = dispatch.Program()
-  program.Add('lane', '/CPU:0', 'item')
-
-  class Recorder:
-    def Gather(self, item, store):
-      del item, store
-      seen.append(threading.current_thread().name)
-
-    def Execute(self, item, args, store):
-      del item, args, store
-      return []
-  isolated.Run(program, Recorder())
-  assert seen and seen[0] != threading.current_thread().name
 
 
 def test_mailbox_failure_wakes_every_waiting_thread():

@@ -71,5 +71,3 @@ def test_micro_batch_size_needs_static_batch():
   with pytest.raises(ValueError, match='micro_batch_size'):
     microbatch.NumMicroBatches(None, micro_batch_size=4)
   assert microbatch.NumMicroBatches(10, micro_batch_size=4) == 3
-  with pytest.raises(ValueError, match='num_micro_batches=0'):
-    microbatch.NumMicroBatches(10, num_micro_batches=0)

@@ -381,7 +381,7 @@ def test_train_step_places_every_op_on_its_stages_device(executor):
       assert not v.value.device.endswith('CPU:0'), (v.path, v.value.device)
   x, y = keras.tree.map_structure(tf.convert_to_tensor, (x, y))
   findings = placement.Audit(lambda a, b: pm.train_step((a, b)), x, y)
-  assert not findings, placement.FormatFindings(findings)
+  assert not findings, findings
 
 
 @pytest.mark.parametrize('executor', ['graph', 'threads'])

@@ -483,3 +483,22 @@ def test_outside_a_step_keras_layers_draw_as_usual():
   x = _Input(CLASSES['Dropout'])
   assert not np.array_equal(np.asarray(run(x)), np.asarray(run(x)))
   assert keras_exact.Refusal(L.Dropout(0.5)) is None
+
+
+def test_deferred_statistics_do_not_keep_a_deleted_layer_alive():
+  """The per-layer record of deferred statistics holds its layer weakly."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import weakref  # pylint: disable=g-import-not-at-top
+  from tfpipe import base_layer  # pylint: disable=g-import-not-at-top
+  from tfpipe.layers import keras_exact  # pylint: disable=g-import-not-at-top
+  bn = keras.layers.BatchNormalization()
+  bn.build((2, 3))
+  collector = base_layer.DeferredStatsCollector()
+  with base_layer.CollectDeferredStats(collector), keras_exact.ExactCalls(
+      bn, 'bn'):
+    bn(tf.ones([2, 3]), training=True)
+  collector.Apply()
+  alive = weakref.ref(bn)
+  del bn, collector
+  gc.collect()
+  assert alive() is None

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from models import conv_classifier
 from models import mlp
@@ -191,8 +192,35 @@ def test_train_step_places_every_op_on_its_cells_device(executor,
   update = (out.loss, out.gradients, out.metrics)
   findings = (placement.Audit(pipe_step, inputs, targets) +
               placement.Audit(task._ApplyGradients, *update))  # pylint: disable=protected-access
-  assert not findings, placement.FormatFindings(findings)
+  assert not findings, findings
   # The same audit catches the unplaced update (the control).
   _NoPlacement(monkeypatch)
   unplaced = placement.Audit(task._ApplyGradients, *update)  # pylint: disable=protected-access
-  assert len(unplaced) > 20, placement.FormatFindings(unplaced)
+  assert len(unplaced) > 20, unplaced
+
+
+def test_a_variable_without_a_gradient_is_left_alone():
+  """None is skipped, as Keras skips it: a zero gradient would still move
+  the variable by Adam's momentum from the earlier step."""
+  task = _MlpTaskParams(2, 2).Instantiate()
+  batch = next(iter(_Input().GetDataset(0)))
+  task.TrainStep(batch)
+  out = task.pipe.ComputeLossAndGradients(*batch, task.model.Loss)
+  gradients = [None] + list(out.gradients[1:])
+  before = [v.numpy() for v in task.pipe.trainable_variables]
+  task._apply_step(out.loss, gradients, out.metrics)  # pylint: disable=protected-access
+  after = [v.numpy() for v in task.pipe.trainable_variables]
+  np.testing.assert_array_equal(after[0], before[0])
+  assert not np.array_equal(after[1], before[1])
+
+
+def test_eval_divides_per_example_losses_by_the_batch():
+  """A loss_fn may return per-example losses; eval reports their mean."""
+  batch = next(iter(_Input().GetDataset(0)))
+  want = float(_MlpTaskParams(2, 2).Instantiate().EvalStep(batch)['loss'])
+  task = _MlpTaskParams(2, 2).Instantiate()  # The same initial weights.
+  task.model.Loss = lambda logits, labels: (
+      tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                     logits=logits))
+  np.testing.assert_allclose(float(task.EvalStep(batch)['loss']), want,
+                             rtol=1e-5)

@@ -2,13 +2,16 @@
 
 Data flows one way through the modules:
   partition (balance)  ->  microbatch (split/merge)  ->  schedule (actions per
-  device, as data)  ->  stage (what one cell does for one micro-batch:
-  forward, loss, backward, gradient accumulation; split_backward cuts the
-  backward into B and W for zero-bubble schedules)  ->  runtime (one
-  interpreter of the schedule for every entry point)  ->  dispatch (issue the
-  actions inline in one graph, or from one thread per device, and which of
-  the two 'auto' means)  ->  pipelining_layer (the Keras layer users build;
-  cell_devices checks where its cells go). reference builds the same layers
+  device, as data)  ->  loss (what a loss_fn returns, added up exactly)  ->
+  accumulators (a gradient buffer per variable)  ->  split_backward (a traced
+  backward cut into parts that keep only what they read)  ->  cell_program
+  (a cell's traces per input signature, cached)  ->  cell_runtime (what one
+  cell does for one micro-batch: F, B, W, and the record F keeps)  ->  runtime
+  (one interpreter of the schedule for every entry point; tape_path runs
+  pipe(x) under a GradientTape)  ->  dispatch (issue the actions inline in
+  one graph, or from one thread per device, and which of the two 'auto'
+  means)  ->  pipelining_layer (the Keras layer users build; cell_devices
+  checks where its cells go); reference builds the same layers
   un-pipelined, with the pipeline's values, to check a model against.
 """
 
@@ -16,9 +19,13 @@ from tfpipe import lazy_exports
 
 # Submodules are imported on first use: see tfpipe/lazy_exports.py.
 __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
+    'accumulators': [],
     'cell': ['FeatureExtractionLayer'],
     'cell_devices': ['DefaultDevices', 'ResolveDevices'],
+    'cell_program': [],
+    'cell_runtime': [],
     'dispatch': [],
+    'loss': ['LossAndGradients'],
     'memory_model': ['CellMemory', 'CellProfile', 'PredictPeaks',
                      'StepConfig'],
     'memory_profile': ['ProfileCells', 'ProfileInSubprocess',
@@ -45,5 +52,6 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
         'ZeroBubbleH1Schedule',
     ],
     'split_backward': [],
-    'stage': ['LossAndGradients'],
+    'stage': [],
+    'tape_path': [],
 })

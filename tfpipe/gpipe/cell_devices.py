@@ -24,7 +24,9 @@ def DefaultDevices(num_needed=None):
   Returns:
     Device names: GPUs, else TPU cores, else (logical) CPU devices.
   """
-  if num_needed is not None and not tf.config.list_logical_devices('TPU'):
+  # Physical devices can be listed without starting TensorFlow's runtime;
+  # listing logical ones starts it, after which no device can be split.
+  if num_needed is not None and not tf.config.list_physical_devices('TPU'):
     return devices_lib.EnsureLogicalDevices(num_needed)
   for kind in ('GPU', 'TPU', 'CPU'):
     devices = tf.config.list_logical_devices(kind)

@@ -14,7 +14,7 @@ is done. There are two dispatchers:
            run at the same time. This is the dispatcher for accelerators,
            whose runtimes overlap independent work of one graph, and the only
            one inside a tf.function.
-  Threads  one Python thread per device (per lane: a replica's device),
+  Threads  one Python thread per device (a replica's device, for replicas),
            issuing that device's actions in order and handing activations
            and gradients to its neighbours through a mailbox. TensorFlow 2.21
            runs the ops of one graph on different CPU devices (and gRPC
@@ -68,21 +68,22 @@ def _WaitFor(tokens):
 
 
 class Program:
-  """A step's actions: per lane (device) an ordered list, and one global order.
+  """A step's actions: per device an ordered list, and one global order.
 
   Attributes:
-    lanes: {lane key: (device name, [item, ...])}, each lane's order.
-    order: [(lane key, item)]: all items in an order that respects every
-      lane's order and every dependency (a valid single-thread order).
+    devices: {device key: (device name, [item, ...])}, each device's order;
+      the key tells a replica's devices apart.
+    order: [(device key, item)]: all items in an order that respects every
+      device's order and every dependency (a valid single-thread order).
   """
 
   def __init__(self):
-    self.lanes = {}
+    self.devices = {}
     self.order = []
 
-  def Add(self, lane, device, item):
-    self.lanes.setdefault(lane, (device, []))[1].append(item)
-    self.order.append((lane, item))
+  def Add(self, key, device, item):
+    self.devices.setdefault(key, (device, []))[1].append(item)
+    self.order.append((key, item))
 
 
 class _DictStore:
@@ -191,22 +192,22 @@ class Inline:
     store = _DictStore()
     timer = _Timer() if record_times else None
     last = {}
-    for lane, item in program.order:
-      device = program.lanes[lane][0]
-      with tf.device(device), OrderAfter(last.get(lane)):
+    for key, item in program.order:
+      device = program.devices[key][0]
+      with tf.device(device), OrderAfter(last.get(key)):
         args = step.Gather(item, store)
         if timer is None:
           done = step.Execute(item, args, store)
         else:
-          done = timer.Run(item, device, args, last.get(lane), store,
+          done = timer.Run(item, device, args, last.get(key), store,
                            lambda st: step.Execute(item, args, st))  # pylint: disable=cell-var-from-loop
-      last[lane] = list(done)
+      last[key] = list(done)
     self.last_tokens = [t for tokens in last.values() for t in tokens]
     return timer.times if timer else None
 
 
 class Threads:
-  """Issues each lane's actions from its own thread; waits for all of them."""
+  """Issues each device's actions from its own thread; waits for all of them."""
 
   name = 'threads'
 
@@ -223,13 +224,13 @@ class Threads:
     self._pools = {}
     self.last_tokens = []
 
-  def _Pool(self, num_lanes):
-    # Lanes wait on each other, so every lane needs its own thread.
-    if num_lanes not in self._pools:
-      self._pools[num_lanes] = concurrent.futures.ThreadPoolExecutor(
-          max_workers=num_lanes, thread_name_prefix=f'{self._name}-device',
+  def _Pool(self, num_devices):
+    # Devices wait on each other, so every device needs its own thread.
+    if num_devices not in self._pools:
+      self._pools[num_devices] = concurrent.futures.ThreadPoolExecutor(
+          max_workers=num_devices, thread_name_prefix=f'{self._name}-device',
           initializer=self._initializer)
-    return self._pools[num_lanes]
+    return self._pools[num_devices]
 
   def Run(self, program, step, record_times=False):
     if not tf.executing_eagerly():
@@ -238,7 +239,7 @@ class Threads:
     store = _Mailbox()
     timer = _Timer() if record_times else None
 
-    def RunLane(device, items):
+    def RunDevice(device, items):
       try:
         for item in items:
           with tf.device(device):
@@ -252,9 +253,9 @@ class Threads:
         store.Fail()
         raise
 
-    pool = self._Pool(len(program.lanes))
-    futures = [pool.submit(RunLane, device, items)
-               for device, items in program.lanes.values()]
+    pool = self._Pool(len(program.devices))
+    futures = [pool.submit(RunDevice, device, items)
+               for device, items in program.devices.values()]
     errors = []
     for future in futures:
       try:
@@ -268,42 +269,11 @@ class Threads:
     return timer.times if timer else None
 
 
-class Isolated:
-  """Runs another dispatcher's eager steps from a helper thread.
-
-  Why: GradientTapes record per thread. Under the caller's tape, an eager
-  forward issued from the caller's thread would be recorded, and a recorded
-  function call keeps every activation of the call for the tape's
-  backward; the pipeline runs its own backward instead (the tape path), so
-  its eager forward must not be seen. In a graph there is nothing to hide:
-  recording keeps no tensors alive, so the inner dispatcher runs in place.
-  """
-
-  name = 'isolated'
-
-  def __init__(self, inner, name='pipe'):
-    self._inner = inner
-    self._pool = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=f'{name}-forward')
-    self.last_tokens = []
-
-  def Run(self, program, step, record_times=False):
-    if not tf.executing_eagerly():
-      times = self._inner.Run(program, step, record_times)
-    else:
-      times = self._pool.submit(self._inner.Run, program, step,
-                                record_times).result()
-    self.last_tokens = list(getattr(self._inner, 'last_tokens', []))
-    return times
-
-
 # executor='auto' picks 'threads' only on local CPU devices, and only when
 # one forward action (a cell on a micro-batch) costs at least this many
 # flops. Below it the thread hand-off and the per-action function call cost
-# more than the overlap gains: measured on 2 logical CPU devices, K=2, M=4,
-# threads took 1.29x graph's step at 2.7e8 flops per action, 1.09-1.12x at
-# 1.1e9 and 0.96-1.02x at 4.3e9 (benchmarks/executor_choice.py;
-# benchmarks/RESULTS.md, "Choosing the executor").
+# more than the overlap gains (benchmarks/executor_choice.py; the
+# measurements are in benchmarks/RESULTS.md, "Choosing the executor").
 THREADS_MIN_FORWARD_FLOPS = 4e9
 
 
@@ -312,7 +282,7 @@ def ChooseExecutor(devices, forward_flops_per_action):
 
   'graph' unless the devices are two or more local CPU devices and one
   forward action costs at least THREADS_MIN_FORWARD_FLOPS. GPU and TPU
-  runtimes overlap the stages of one graph themselves. On remote (gRPC)
+  runtimes overlap the cells of one graph themselves. On remote (gRPC)
   workers each action of 'threads' is a remote function call, which cost
   more than the overlap gained in every size measured on loopback
   (benchmarks/pipeline_efficiency.py --mode=grpc_threads against

@@ -21,7 +21,8 @@ import keras
 import tensorflow as tf
 
 
-def _Leaves(structure):
+def Leaves(structure):
+  """The leaves of a structure, without its None leaves (absent inputs)."""
   return [t for t in tf.nest.flatten(structure) if t is not None]
 
 
@@ -39,7 +40,7 @@ def StaticBatchSize(structure, batch_dim=0):
     ValueError: if leaves disagree on the batch size, or a leaf has no
       `batch_dim` axis.
   """
-  leaves = _Leaves(structure)
+  leaves = Leaves(structure)
   if not leaves:
     raise ValueError('Cannot split an input with no tensors into micro-batches.')
   sizes = []
@@ -60,20 +61,17 @@ def StaticBatchSize(structure, batch_dim=0):
 
 
 def NumMicroBatches(batch_size, num_micro_batches=None, micro_batch_size=None):
-  """Resolves M from either `num_micro_batches` or `micro_batch_size`."""
+  """Resolves M from either `num_micro_batches` or `micro_batch_size`.
+
+  Both are checked (ints >= 1) by PipeliningLayer.CheckParams, once.
+  """
   if micro_batch_size:
-    if micro_batch_size < 1:
-      raise ValueError('micro_batch_size must be >= 1. Received: '
-                       f'micro_batch_size={micro_batch_size}')
     if batch_size is None:
       raise ValueError(
           'micro_batch_size needs a static batch size; the input\'s batch '
           'dimension is unknown. Set num_micro_batches instead, or give the '
           'input a fixed batch size (e.g. drop_remainder=True in tf.data).')
     return max(1, math.ceil(batch_size / micro_batch_size))
-  if num_micro_batches is None or num_micro_batches < 1:
-    raise ValueError('num_micro_batches must be >= 1. Received: '
-                     f'num_micro_batches={num_micro_batches}')
   return num_micro_batches
 
 
@@ -115,7 +113,7 @@ def Split(structure, num_micro_batches, batch_dim=0, micro_batch_size=None):
     batch_size = static
     size_list = sizes
   else:
-    first = _Leaves(structure)[0]
+    first = Leaves(structure)[0]
     batch_size = tf.shape(first)[batch_dim]
     tf.debugging.assert_greater_equal(
         batch_size, m, message=(

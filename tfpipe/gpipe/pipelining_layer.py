@@ -29,17 +29,16 @@ outputs and their gradients cross devices.
 `executor` picks how actions are issued (dispatch.py): 'graph' issues them
 inline, so a traced step is one graph that an accelerator's runtime
 overlaps; 'threads' issues each device's actions from its own thread, so
-the stages of local CPU devices overlap where one graph's would run one
+the cells on local CPU devices overlap where one graph's would run one
 after another; it pays only for large actions (dispatch.ChooseExecutor). Inside a
 tf.function both are inline. Both give the same losses, gradients and
 statistics.
 """
 
+import collections
 import math
 
 import tensorflow as tf
-from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from tfpipe import base_layer
 from tfpipe import device_names
@@ -50,9 +49,10 @@ from tfpipe.gpipe import microbatch
 from tfpipe.gpipe import partition
 from tfpipe.gpipe import runtime as runtime_lib
 from tfpipe.gpipe import schedule as schedule_lib
-from tfpipe.gpipe import stage as stage_lib
+from tfpipe.gpipe import tape_path
 
 EXECUTORS = ('auto', 'graph', 'threads')
+_MAX_COMPILED_STEPS = 4
 
 def CellError(pipeline_name, cells, k, x, error):
   """A ValueError naming cell k, its input's shapes and the likely fix."""
@@ -66,6 +66,12 @@ def CellError(pipeline_name, cells, k, x, error):
   return ValueError(
       f'{pipeline_name}: cell {k} ({cells[k].name}) failed on {source} with '
       f'shapes {shapes}.{hint} Cause: {type(error).__name__}: {error}')
+
+
+def _Shapes(structure):
+  """The shapes of a structure's tensors (None leaves stay None)."""
+  return tf.nest.map_structure(
+      lambda t: None if t is None else tuple(t.shape), structure)
 
 
 def _Offsets(sizes):
@@ -115,8 +121,8 @@ class PipeliningLayer(base_layer.BaseLayer):
              'tf.function when it is called eagerly with executor=\'graph\'.')
     p.Define('executor', 'auto', "How actions are issued: 'graph' inline, "
              'so a traced step is one graph (GPU and TPU runtimes overlap its '
-             "stages); 'threads' from one thread per device when called "
-             'eagerly, which overlaps the stages of local CPU devices; '
+             "cells); 'threads' from one thread per device when called "
+             'eagerly, which overlaps the cells on local CPU devices; '
              "'auto' picks 'threads' only for large actions on local CPU "
              "devices, else 'graph' (see dispatch.ChooseExecutor).")
     return p
@@ -216,8 +222,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._runtime = None
     self._executors = {}
     self._threads = dispatch_lib.Threads(name=p.name)
-    self._isolated = {}
-    self._compiled_step = None
+    # One compiled step per loss_fn, the latest few: a tf.function keeps
+    # every trace, and a caller may pass a new closure each step.
+    self._compiled_steps = collections.OrderedDict()
 
   @property
   def cell_devices(self):
@@ -234,11 +241,11 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   @property
   def device_mesh(self):
-    """[replica][stage] device names."""
+    """[replica][cell] device names."""
     return [list(r) for r in self._replica_devices]
 
   def DeviceMeshText(self):
-    """The (replicas, stages) device mesh as a printable table."""
+    """The (replicas, cells) device mesh as a printable table."""
     return device_names.DeviceMeshText(
         [d for devices in self._replica_devices for d in devices],
         self.num_replicas)
@@ -267,7 +274,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     if self._runtime is None:
       self._runtime = runtime_lib.PipelineRuntime(
           self.cells, self._replica_devices, self.p.schedule,
-          self.p.remat_policy, self.p.name,
+          self.p.remat_policy,
           lambda k, x, e: CellError(self.p.name, self.cells, k, x, e))
     return self._runtime
 
@@ -289,9 +296,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     """
     if self.p.executor != 'auto':
       return self.p.executor
-    shape = tf.nest.map_structure(lambda t: tuple(t.shape), inputs)
+    shape = _Shapes(inputs)
     key = repr(shape)
     if key not in self._executors:
+      if len(self._executors) >= _MAX_COMPILED_STEPS * 4:
+        self._executors.clear()  # Shapes that keep changing: stay bounded.
       self._executors[key] = dispatch_lib.ChooseExecutor(
           [d for devices in self._replica_devices for d in devices],
           self._ForwardFlopsPerAction(shape))
@@ -306,24 +315,15 @@ class PipeliningLayer(base_layer.BaseLayer):
     except ValueError:
       return None
     if not costs or any(c.flops <= 0 for c in costs):
-      return None  # Cells without a cost model (e.g. Keras stages).
+      return None  # Cells without a cost model (e.g. Keras cells).
     num_micro = (math.ceil(batch / self.p.micro_batch_size)
                  if self.p.micro_batch_size else self.p.num_micro_batches)
     return sum(c.flops for c in costs) / len(costs) / max(num_micro, 1)
 
-  def _Dispatcher(self, inputs, isolate=False):
-    """Threads when chosen and eager; inline otherwise (always in a graph).
-
-    With `isolate`, an eager inline forward runs from a helper thread so the
-    caller's tape does not record it (dispatch.Isolated).
-    """
+  def _Dispatcher(self, inputs):
+    """Threads when chosen and eager; inline otherwise (always in a graph)."""
     if tf.executing_eagerly() and self.ResolvedExecutor(inputs) == 'threads':
       return self._threads
-    if isolate and tf.executing_eagerly():
-      if 'inline' not in self._isolated:
-        self._isolated['inline'] = dispatch_lib.Isolated(
-            dispatch_lib.Inline(), name=self.p.name)
-      return self._isolated['inline']
     return dispatch_lib.Inline()
 
   # ---- splitting the batch -------------------------------------------------
@@ -400,71 +400,17 @@ class PipeliningLayer(base_layer.BaseLayer):
     step = self._NextStep(training)
     shards, _ = self._Shards(inputs, None, step)
     collector = base_layer.DeferredStatsCollector() if training else None
-    if record.could_possibly_record() and self._CellVariables():
-      outputs = self._ForwardUnderTape(inputs, shards, training, collector)
+    if tape_path.WillDifferentiate(inputs, self._CellVariables(), training):
+      outputs = tape_path.Forward(
+          self.runtime, inputs, shards, training, collector,
+          lambda: self._Dispatcher(inputs),
+          (self._cell_devices[0], self._cell_devices[-1]), self.p.batch_dim)
     else:
       outputs = self._MergeOutputs(self.runtime.Forward(
           shards, training, collector, self._Dispatcher(inputs)))
     if collector is not None:
       collector.Apply()
     return outputs
-
-  def _ForwardUnderTape(self, inputs, shards, training, collector):
-    """The forward actions now; the backward actions when a tape asks.
-
-    The pipeline's output is recorded on the caller's tapes as one
-    operation whose gradient function runs the schedule's backward actions
-    (runtime.TapeBackward): the weight gradients go through the same
-    per-variable accumulators as a training step, on each cell's device,
-    instead of one gradient per micro-batch kept alive until TensorFlow adds
-    them up at the end.
-    """
-    float_inputs = stage_lib.SplitFloat(inputs)[0]
-    need_input_gradient = bool(float_inputs) and record.should_record_backprop(
-        float_inputs)
-    micro_outputs, step = self.runtime.TapeForward(
-        shards, training, collector, self._Dispatcher(inputs, isolate=True),
-        need_input_gradient)
-    merged = self._MergeOutputs(micro_outputs)
-    float_outputs, rebuild = stage_lib.SplitFloat(merged)
-    with tf.device(self._cell_devices[-1]):
-      float_outputs = [tf.identity(t) for t in float_outputs]
-    variables = [stage_lib.TfVariable(v) for v in self._CellVariables()]
-    for v in variables:
-      resource_variable_ops.variable_accessed(v)
-    sizes = [list(shard.sizes) for shard in shards]
-    first_device, last_device = self._cell_devices[0], self._cell_devices[-1]
-    batch_dim = self.p.batch_dim
-
-    def Backward(*output_gradients):
-      flat_sizes = [n for per_replica in sizes for n in per_replica]
-      with tf.device(last_device):
-        output_gradients = [
-            tf.zeros_like(y) if g is None else g
-            for g, y in zip(output_gradients, float_outputs)]
-        pieces = [microbatch.SplitBySizes(g, flat_sizes, batch_dim)
-                  for g in output_gradients]
-      per_micro, i = [], 0
-      for per_replica in sizes:
-        per_micro.append([[p[i + m] for p in pieces]
-                          for m in range(len(per_replica))])
-        i += len(per_replica)
-      input_gradients, gradients = self.runtime.TapeBackward(
-          step, per_micro, self._Dispatcher(inputs))
-      if input_gradients is None:
-        dx = [None] * len(float_inputs)
-      else:
-        with tf.device(first_device):
-          flat = [g for per_replica in input_gradients for g in per_replica]
-          dx = [tf.concat([g[j] for g in flat], axis=batch_dim)
-                if len(flat) > 1 else flat[0][j]
-                for j in range(len(float_inputs))]
-      return dx + list(gradients)
-
-    record.record_operation(
-        'PipelinedForward', float_outputs,
-        list(float_inputs) + [v.handle for v in variables], Backward)
-    return rebuild(float_outputs)
 
   @tf.autograph.experimental.do_not_convert
   def ComputeLossAndGradients(self, inputs, targets, loss_fn, training=True,
@@ -479,7 +425,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         cell's device; returns the micro-batch's mean loss (or per-example
         losses), optionally as `(loss, {'metric': value})`; or a sum and
         the weight it sums over, `(loss_sum, weight)` or `(loss_sum, weight,
-        {'metric': sum})`, e.g. for padded tokens (see stage.ParseLoss).
+        {'metric': sum})`, e.g. for padded tokens (see loss.ParseLoss).
       training: run layers in training mode (dropout, batch-norm stats).
       step: int seeding this step's random ops; default: an internal counter
         (saved with the layer's variables) that advances each call.
@@ -494,23 +440,33 @@ class PipeliningLayer(base_layer.BaseLayer):
       applied.
     """
     if not self.built:
-      self.build(tf.nest.map_structure(lambda t: tuple(t.shape), inputs))
+      self.build(_Shapes(inputs))
     if (self.p.compile_step and tf.executing_eagerly() and
         self.ResolvedExecutor(inputs) == 'graph'):
-      if self._compiled_step is None:
-        self._compiled_step = tf.function(self._CompiledStep,
-                                          reduce_retracing=True,
-                                          autograph=False)
-      return self._compiled_step(inputs, targets, loss_fn, training, step,
-                                 record_times)
+      if loss_fn not in self._compiled_steps:
+        self._compiled_steps[loss_fn] = tf.function(
+            self._CompiledStep, reduce_retracing=True, autograph=False)
+        while len(self._compiled_steps) > _MAX_COMPILED_STEPS:
+          self._compiled_steps.popitem(last=False)
+      self._compiled_steps.move_to_end(loss_fn)
+      # The trainable set is an argument, so that freezing a layer retraces.
+      return self._compiled_steps[loss_fn](
+          inputs, targets, loss_fn, training, step, record_times,
+          self._TrainableKey())
     return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
                                          step, record_times)
 
-  def _CompiledStep(self, *args):
+  def _CompiledStep(self, inputs, targets, loss_fn, training, step,
+                    record_times, trainable_key=None):
+    del trainable_key  # Only a tf.function's cache key.
     # The returned gradients stay on their cells' devices (not copied to the
     # default device by tf.function's output identities).
     placement.FollowInputDevicesToTheEnd()
-    return self._ComputeLossAndGradients(*args)
+    return self._ComputeLossAndGradients(inputs, targets, loss_fn, training,
+                                         step, record_times)
+
+  def _TrainableKey(self):
+    return tuple(id(v) for v in self._CellVariables())
 
   @tf.autograph.experimental.do_not_convert
   def _ComputeLossAndGradients(self, inputs, targets, loss_fn, training, step,

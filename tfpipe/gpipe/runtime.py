@@ -1,40 +1,39 @@
 """The pipeline runtime: one interpreter of the schedule for every entry point.
 
-`PipelineRuntime` holds a `Stage` per (replica, cell) and runs a step's
-actions through a dispatcher (dispatch.py). What an action does is written
-once, in `_Step`:
+`PipelineRuntime` holds a `CellRuntime` per (replica, cell) and runs a
+step's actions through a dispatcher (dispatch.py). What an action does is
+written once, in `_Step`:
 
     F(m, k)  takes cell k's input (the micro-batch, or cell k-1's output),
-             runs the stage's forward and hands the output on. With
-             re-materialization only the input is kept; without, the forward
-             is recorded under a tape kept until B(m, k). On the last cell of
-             a training step the loss is applied too, and when B(m, K-1)
-             comes right after, both are one call.
-    B(m, k)  takes the gradient of cell k's output (from B(m, k+1), from the
-             loss, or from the caller's tape), runs the stage's backward,
-             which adds the variables' gradients to the stage's buffers, and
-             hands the input's gradient to B(m, k-1).
-    W(m, k)  (zero-bubble schedules) computes the variables' gradients from
-             what F(m, k) and B(m, k) kept and adds them to the buffers;
-             B(m, k) then computed only the input's gradient (see
-             split_backward.py).
+             runs the forward and hands the output on, keeping for B(m, k)
+             what cell_runtime.py says: only the input when re-materialized,
+             else the residuals. On the last cell of a training step the
+             loss is applied too, and when B(m, K-1) comes right after, F,
+             B and W are one call.
+    B(m, k)  takes the gradient of cell k's output (from B(m, k+1), or from
+             the caller's tape), runs the backward, which adds the
+             variables' gradients to the cell's buffers, and hands the
+             input's gradient to B(m, k-1). In zero-bubble schedules it
+             computes the input's gradient only and keeps what W reads.
+    W(m, k)  the variables' gradients, from what B(m, k) kept.
 
-The three entry points are different sets of these actions:
+The entry points are different sets of these actions:
 
-    Forward          the F actions (inference, or a training forward without
-                     a tape).
+    Forward          the F actions (inference).
     ForwardBackward  all actions, loss on the last cell: the train step.
-    TapeForward /    the F actions now and the B (and W) actions when the
+    TapeForward /    the F actions now and the B and W actions each time the
     TapeBackward     caller's GradientTape asks for the gradient (`pipe(x)`
-                     under a tape; see pipelining_layer.py), so the tape path
-                     accumulates weight gradients in the same buffers and its
-                     memory does not grow with M.
+                     under a tape; tape_path.py). The F records are kept
+                     until the tape is gone, so a persistent tape can ask
+                     twice.
 
-Random ops see a seed unique to (step, micro-batch) and the index of the
-micro-batch's first example in the whole batch, so a recompute draws the
-same values whichever dispatcher runs it. Deferred statistics (batch norm)
-are gathered per (replica, micro-batch, cell) and handed to the step's
-collector in that order, so the update does not depend on timing.
+Whether F keeps anything is decided by whether a backward will run, not by
+the layers' `training` mode. Random ops see a seed unique to (step,
+micro-batch) and the index of the micro-batch's first example in the whole
+batch, so a recompute draws the same values whichever dispatcher runs it.
+Deferred statistics (batch norm) are gathered per (replica, micro-batch,
+cell) and handed to the step's collector in that order, so the update does
+not depend on timing.
 """
 
 import dataclasses
@@ -42,24 +41,18 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe.gpipe import cell_runtime as cell_runtime_lib
 from tfpipe.gpipe import dispatch as dispatch_lib
+from tfpipe.gpipe import loss as loss_lib
 from tfpipe.gpipe import schedule as schedule_lib
-from tfpipe.gpipe import stage as stage_lib
 
 REMAT_POLICIES = ('always', 'except_last', 'never')
-
-
-def CheckRematPolicy(remat_policy, name='remat_policy'):
-  if remat_policy not in REMAT_POLICIES:
-    raise ValueError(f'Unknown remat_policy {remat_policy!r}; expected one of '
-                     f'{list(REMAT_POLICIES)}. Received: '
-                     f'{name}={remat_policy!r}')
 
 
 def OnDevice(structure, device):
   """Copies eager tensors to `device` before a call that runs there.
 
-  Then each stage function runs on one device only (its variables are there
+  Then each cell's function runs on one device only (its variables are there
   too): cheaper to dispatch, and runnable by TensorFlow's single-threaded
   executor, which hangs on functions that span devices. In a graph the
   runtime inserts the transfers itself.
@@ -79,8 +72,10 @@ def OnDevice(structure, device):
     return tf.nest.map_structure(Copy, structure)
 
 
-def _Tokens(structure):
-  return [t for t in tf.nest.flatten(structure) if t is not None]
+@dataclasses.dataclass
+class _Fused:
+  """F, B and W of the last cell ran as one call; B hands on its result."""
+  input_gradient: list
 
 
 @dataclasses.dataclass
@@ -109,27 +104,32 @@ class MicroBatches:
 
 
 class _Step:
-  """What F(m, k), B(m, k) and W(m, k) do in one step.
+  """What F(m, k), B(m, k) and W(m, k) do in one step (items: (replica,
+  Action)).
 
-  The items are (replica, Action). When the schedule has W actions, the
-  backward is split (split_backward.py): F also returns what B and W read
-  (or, re-materialized, keeps only the input, and B runs F again first), B
-  computes the input gradient and W the weight gradient, which it
-  accumulates.
+  Per-micro-batch state, keyed (replica, micro-batch, cell):
+    kept       F's record for B (cell_runtime.KeptInput or KeptResiduals),
+               or _Fused when F, B and W ran as one call;
+    for_weights  B's record for W (KeptForWeights), zero-bubble schedules.
   """
 
-  def __init__(self, runtime, shards, training, batch_size=None, loss_fn=None,
-               backward=True, need_input_gradient=False):
+  def __init__(self, runtime, shards, training, backward, batch_size=None,
+               loss_fn=None, need_input_gradient=False):
     self.runtime = runtime
     self.shards = shards
     self.training = training
-    # Whether B actions will follow (what F must keep for them).
-    self.backward = backward
+    self.backward = backward  # Whether B actions will follow.
     self.batch_size = batch_size
     self.loss_fn = loss_fn
     self.need_input_gradient = need_input_gradient
-    self.saved = {}           # (r, m, k) -> what B(m, k) needs
-    self.pending = {}         # (r, m, k) -> what W(m, k) needs
+    # Taken now: gradients follow the trainable set at the time of the call.
+    self.variables = {(r, k): cell.Variables() if backward else None
+                      for r, cells in enumerate(runtime.cells)
+                      for k, cell in enumerate(cells)}
+    self.gradients = {}       # (r, k) -> PassGradients of this backward pass
+    self.kept = {}
+    self.for_weights = {}
+    self.release_kept = True  # False: the tape may ask for B again.
     self.stats = {}           # (r, m, k) -> [(layer, (count, stats))]
     self.losses = {}          # (r, m) -> LossParts
     self.outputs = {}         # (r, m) -> the last cell's output
@@ -137,28 +137,31 @@ class _Step:
     self.input_gradients = {}   # (r, m) -> d loss / d pipeline input
     self._last = runtime.num_cells - 1
     self._split = {}          # r -> whether B and W are separate actions
-    self._first_accumulation = {}  # (r, k) -> micro-batch accumulated first
-    self._adjacent = set()    # (r, m): B(m, K-1) right after F(m, K-1)
+    self._fused = set()       # (r, m): B(m, K-1) right after F(m, K-1)
     for r in range(len(shards)):
       sched = runtime.Schedule(len(shards[r]), r)
       self._split[r] = sched.splits_backward
-      accumulates = (schedule_lib.WEIGHT if sched.splits_backward else
-                     schedule_lib.BACKWARD)
       for acts in sched.device_actions:
         for a, following in zip(acts, acts[1:] + [None]):
-          if a.kind == accumulates:
-            self._first_accumulation.setdefault((r, a.cell), a.micro_batch)
           if (a.kind == schedule_lib.FORWARD and a.cell == self._last and
               loss_fn is not None and following == schedule_lib.Action(
                   schedule_lib.BACKWARD, a.micro_batch, a.cell)):
-            self._adjacent.add((r, a.micro_batch))
+            self._fused.add((r, a.micro_batch))
 
-  def _Stage(self, r, k):
-    return self.runtime.stages[r][k]
+  def StartBackward(self):
+    """Fresh gradients for a backward pass (each of a tape's gradients)."""
+    self.gradients = {
+        (r, k): cell.PassGradients(self.variables[(r, k)],
+                                   len(self.shards[r]), self._NeedDx(k))
+        for r, cells in enumerate(self.runtime.cells)
+        for k, cell in enumerate(cells)}
+
+  def _Cell(self, r, k):
+    return self.runtime.cells[r][k]
 
   def Gather(self, item, store):
     r, (kind, m, k) = item
-    device = self._Stage(r, k).device
+    device = self._Cell(r, k).device
     if kind == schedule_lib.FORWARD:
       x = self.shards[r].inputs[m] if k == 0 else store.Take(('y', r, m, k - 1))
       return OnDevice(x, device)
@@ -168,7 +171,7 @@ class _Step:
       return OnDevice(store.Take(('dy', r, m, k + 1)), device)
     if self.loss_fn is None:
       return OnDevice(self.output_gradients[(r, m)], device)
-    return None  # The loss's gradient was computed at F(m, K-1).
+    return None  # The backward starts from the loss.
 
   def Execute(self, item, args, store):
     r, (kind, m, k) = item
@@ -178,114 +181,73 @@ class _Step:
       return self._Backward(r, m, k, args, store)
     return self._Weight(r, m, k)
 
-  def _Forward(self, r, m, k, x, store):
-    stage = self._Stage(r, k)
+  def _Inputs(self, r, m, k, x):
+    cell = self._Cell(r, k)
     shard = self.shards[r]
-    seed = OnDevice(shard.seeds[m], stage.device)
-    offset = OnDevice(shard.offsets[m], stage.device)
-    remat = self.backward and self.runtime.UsesRemat(m, len(shard),
-                                                      self.training)
-    split = self._split[r]
-    need_dx = k > 0 or self.need_input_gradient
+    loss = None
     if k == self._last and self.loss_fn is not None:
-      targets, scale, batch_size = OnDevice(
-          (None if shard.targets is None else shard.targets[m],
-           shard.scales[m], self.batch_size), stage.device)
-      # Recomputing is pointless when B comes right after F.
-      keep = (r, m) in self._adjacent or not remat
-      if split and keep:
-        parts, stats, recorded = stage.SplitForward(
-            x, seed, offset, self.training, need_dx,
-            loss=(targets, scale, batch_size, self.loss_fn))
-        self.saved[(r, m, k)] = ('recorded', recorded)
-        tokens = [parts.numerator]
-      elif not keep:  # Re-materialized: keep the input only.
-        parts, stats, dy = stage.ForwardLoss(
-            x, targets, seed, offset, scale, batch_size, self.training,
-            self.loss_fn)
-        self.saved[(r, m, k)] = ('remat', x, dy)
-        tokens = [parts.numerator] + list(dy)
-      elif (r, m) in self._adjacent:
-        # B right after F: both in one call, whatever the remat policy: a
-        # separate B would either recompute F or keep a tape for nothing.
-        parts, stats, dx, done = stage.ForwardLossBackward(
-            x, targets, seed, offset, scale, batch_size, self.training,
-            self.loss_fn, self._First(r, m, k), need_dx)
-        self.saved[(r, m, k)] = ('done', dx)
-        tokens = [parts.numerator, done] + list(dx)
-      else:
-        parts, stats, taped = stage.TapedForward(
-            x, seed, offset, self.training, need_dx,
-            loss=(targets, scale, batch_size, self.loss_fn))
-        self.saved[(r, m, k)] = ('taped', taped)
-        tokens = [parts.numerator]
-      self.losses[(r, m)] = parts
+      loss = (None if shard.targets is None else shard.targets[m],
+              shard.scales[m], self.batch_size)
+    seed, offset, loss = OnDevice((shard.seeds[m], shard.offsets[m], loss),
+                                  cell.device)
+    return cell_runtime_lib.ActionInputs(x, seed, offset, loss)
+
+  def _NeedDx(self, k):
+    return k > 0 or self.need_input_gradient
+
+  def _Forward(self, r, m, k, x, store):
+    cell = self._Cell(r, k)
+    inputs = self._Inputs(r, m, k, x)
+    if (r, m) in self._fused and k == self._last:
+      outputs, stats, dx, done = cell.ForwardBackward(
+          inputs, self.training, self.loss_fn, self.gradients[(r, k)])
+      self.kept[(r, m, k)] = _Fused(dx)
+      tokens = [done]
     else:
-      if remat or not self.backward:
-        y, stats = stage.Forward(x, seed, offset, self.training)
-        if self.backward:
-          self.saved[(r, m, k)] = ('remat', x, None)
-      elif split:
-        y, stats, recorded = stage.SplitForward(x, seed, offset,
-                                                self.training, need_dx)
-        self.saved[(r, m, k)] = ('recorded', recorded)
-      else:
-        y, stats, taped = stage.TapedForward(x, seed, offset, self.training,
-                                             need_dx)
-        self.saved[(r, m, k)] = ('taped', taped)
-      if k == self._last:
-        self.outputs[(r, m)] = y
-      else:
-        store.Put(('y', r, m, k), y)
-      tokens = _Tokens(y)
+      keep = None
+      if self.backward:
+        keep = ('input' if self.runtime.UsesRemat(m, len(self.shards[r]))
+                else 'residuals')
+      outputs, stats, record = cell.Forward(
+          inputs, self.training, self.variables[(r, k)], keep,
+          self.loss_fn if inputs.loss is not None else None, self._NeedDx(k))
+      if record is not None:
+        self.kept[(r, m, k)] = record
+      tokens = []
+    if inputs.loss is not None:
+      self.losses[(r, m)] = outputs
+      tokens.append(outputs.numerator)
+    elif k == self._last:
+      self.outputs[(r, m)] = outputs
+    else:
+      store.Put(('y', r, m, k), outputs)
     if stats:
       self.stats[(r, m, k)] = stats
-    return tokens
-
-  def _First(self, r, m, k):
-    return self._first_accumulation[(r, k)] == m
+    return tokens + [t for t in tf.nest.flatten((outputs, stats))
+                     if isinstance(t, tf.Tensor)]
 
   def _Backward(self, r, m, k, dy, store):
-    stage = self._Stage(r, k)
-    shard = self.shards[r]
-    # Popped: what F kept is freed as soon as its backward has run.
-    saved = self.saved.pop((r, m, k))
-    need_dx = k > 0 or self.need_input_gradient
-    seed = OnDevice(shard.seeds[m], stage.device)
-    offset = OnDevice(shard.offsets[m], stage.device)
-    if self._split[r]:
-      if saved[0] == 'remat':
-        _, x, loss_dy = saved
-        _, _, recorded = stage.SplitForward(x, seed, offset, self.training,
-                                            need_dx, recomputing=True)
-        if loss_dy is not None:
-          dy = loss_dy
-      else:
-        recorded = saved[1]
-      dx, state, done = stage.InputGradient(recorded, dy)
-      self.pending[(r, m, k)] = (recorded.program, state)
-      done = done[:1]
-    elif saved[0] == 'done':
-      dx, done = saved[1], []
-    elif saved[0] == 'remat':
-      _, x, loss_dy = saved
-      if loss_dy is not None:
-        dy = loss_dy
-      dx, done = stage.Backward(x, dy, seed, offset, self.training,
-                                self._First(r, m, k), need_dx)
-      done = [done]
+    cell = self._Cell(r, k)
+    record = (self.kept.pop((r, m, k)) if self.release_kept else
+              self.kept[(r, m, k)])
+    if isinstance(record, _Fused):
+      dx, done = record.input_gradient, []
     else:
-      dx, done = stage.TapedBackward(saved[1], dy, self._First(r, m, k))
+      dx, for_weights, done = cell.Backward(
+          record, dy, self.gradients[(r, k)], split=self._split[r])
+      if for_weights is not None:
+        self.for_weights[(r, m, k)] = for_weights
     if k > 0:
       store.Put(('dy', r, m, k), dx)
-    elif need_dx:
+    elif self.need_input_gradient:
       self.input_gradients[(r, m)] = dx
     return list(dx) + list(done)
 
   def _Weight(self, r, m, k):
-    program, state = self.pending.pop((r, m, k))
-    return [self._Stage(r, k).WeightGradient(state, program,
-                                             self._First(r, m, k))]
+    record = self.for_weights.pop((r, m, k), None)
+    if record is None:
+      return []  # B ran the whole backward (a cell that cannot be cut).
+    return [self._Cell(r, k).WeightGradient(record, self.gradients[(r, k)])]
 
   def ApplyStats(self, collector):
     if collector is None:
@@ -293,69 +255,94 @@ class _Step:
     for key in sorted(self.stats):
       r, _, k = key
       for layer, (count, stats) in self.stats[key]:
-        collector.Add(layer, stats, count, device=self._Stage(r, k).device)
+        collector.Add(layer, stats, count, device=self._Cell(r, k).device)
+
+  def Gradients(self, scale=None):
+    """The pass's gradients, summed over replicas, aligned with the
+    variables taken at the step's start; None where none has one.
+
+    Each replica's buffers live on its own devices; the sum is taken on the
+    variable's device, which is replica 0's cell device.
+    """
+    gradients = []
+    for k in range(self.runtime.num_cells):
+      per_replica = [self.gradients[(r, k)].Read(scale)
+                     for r in range(len(self.shards))]
+      for i, v in enumerate(self.variables[(0, k)]):
+        values = [grads[i] for grads in per_replica if grads[i] is not None]
+        if len(values) <= 1:
+          gradients.append(values[0] if values else None)
+          continue
+        with tf.device(v.device):
+          gradients.append(tf.add_n(values))
+    return gradients
 
 
 class PipelineRuntime:
   """Runs a pipeline's steps along its schedules, through a dispatcher."""
 
   def __init__(self, cells, replica_devices, schedule_name, remat_policy,
-               name, describe_error):
-    """Creates a stage per (replica, cell).
+               describe_error):
+    """Creates a CellRuntime per (replica, cell).
 
     Args:
       cells: the K cells, built on replica 0's devices.
       replica_devices: [replica][cell] device names.
       schedule_name: a key of schedule.SCHEDULES.
-      remat_policy: one of REMAT_POLICIES.
-      name: the pipeline's name, for messages.
+      remat_policy: one of REMAT_POLICIES (checked by the pipeline's
+        CheckParams).
       describe_error: fn(k, x, error) -> ValueError naming cell k.
     """
-    CheckRematPolicy(remat_policy)
     self.num_cells = len(cells)
-    self._cells = cells
     self._replica_devices = replica_devices
     self._schedule_name = schedule_name
     self._remat_policy = remat_policy
     self._schedules = {}
-    self.stages = [
-        [stage_lib.Stage(cell, k, self.num_cells, devices[k], name,
-                         describe_error)
+    self.cells = [
+        [cell_runtime_lib.CellRuntime(cell, k, devices[k], describe_error,
+                                      inline_backward=self.num_cells == 1)
          for k, cell in enumerate(cells)]
         for devices in replica_devices]
 
-  def Schedule(self, num_micro_batches, replica=0):
-    """Replica `replica`'s validated schedule for M micro-batches, cached."""
-    key = (num_micro_batches, replica)
+  def Schedule(self, num_micro_batches, replica=0, forward_only=False):
+    """Replica `replica`'s validated schedule for M micro-batches, cached;
+    with `forward_only`, its forward actions alone (inference, and the
+    forward of the tape path)."""
+    key = (num_micro_batches, replica, forward_only)
     if key not in self._schedules:
-      devices = self._replica_devices[replica]
-      unique = list(dict.fromkeys(devices))
-      sched = schedule_lib.MakeSchedule(
-          self._schedule_name, self.num_cells, num_micro_batches,
-          [unique.index(d) for d in devices])
-      self._schedules[key] = (sched, schedule_lib.Validate(sched))
+      if forward_only:
+        sched = self.Schedule(num_micro_batches, replica).ForwardOnly()
+      else:
+        devices = self._replica_devices[replica]
+        unique = list(dict.fromkeys(devices))
+        sched = schedule_lib.MakeSchedule(
+            self._schedule_name, self.num_cells, num_micro_batches,
+            [unique.index(d) for d in devices])
+      self._schedules[key] = (sched, schedule_lib.Validate(
+          sched, forward_only=forward_only))
     return self._schedules[key][0]
 
-  def UsesRemat(self, micro_batch, num_micro_batches, training):
-    if not training or self._remat_policy == 'never':
+  def UsesRemat(self, micro_batch, num_micro_batches):
+    """Whether F(micro_batch, k) keeps only its input for the backward."""
+    if self._remat_policy == 'never':
       return False
     if self._remat_policy == 'except_last':
       return micro_batch != num_micro_batches - 1
     return True
 
   def _Program(self, shards, kinds):
-    """The actions of `kinds` (some of F, B, W) of every replica."""
+    """The actions of `kinds` (F; or F, B and W; or B and W) of every
+    replica, in their validated order."""
     program = dispatch_lib.Program()
+    forward_only = tuple(kinds) == (schedule_lib.FORWARD,)
     for r, shard in enumerate(shards):
-      sched = self.Schedule(len(shard), r)
-      order = self._schedules[(len(shard), r)][1]
+      sched = self.Schedule(len(shard), r, forward_only)
+      order = self._schedules[(len(shard), r, forward_only)][1]
       devices = self._replica_devices[r]
-      device_of = {d: devices[sched.device_of_cell.index(d)]
-                   for d in range(sched.num_devices)}
       for action in order:
         if action.kind in kinds:
           d = sched.device_of_cell[action.cell]
-          program.Add((r, d), device_of[d], (r, action))
+          program.Add((r, d), devices[action.cell], (r, action))
     return program
 
   # ---- entry points ------------------------------------------------------
@@ -377,8 +364,9 @@ class PipelineRuntime:
       returning (sum, weight), the total sum over the total weight), and so
       are the gradients, aligned with the cells' trainable variables.
     """
-    step = _Step(self, shards, training, batch_size=batch_size,
+    step = _Step(self, shards, training, backward=True, batch_size=batch_size,
                  loss_fn=loss_fn)
+    step.StartBackward()
     times = dispatcher.Run(
         self._Program(shards, (schedule_lib.FORWARD, schedule_lib.BACKWARD,
                                schedule_lib.WEIGHT)),
@@ -386,50 +374,26 @@ class PipelineRuntime:
     step.ApplyStats(collector)
     parts = [step.losses[(r, m)] for r, shard in enumerate(shards)
              for m in range(len(shard))]
-    with tf.device(self.stages[0][-1].device), dispatch_lib.OrderAfter(
+    with tf.device(self.cells[0][-1].device), dispatch_lib.OrderAfter(
         dispatcher.last_tokens):
-      loss = tf.add_n([p.numerator for p in parts])
-      metrics = {name: tf.add_n([p.metrics[name] for p in parts])
-                 for name in parts[0].metrics}
-      scale = None
-      if parts[0].is_sum:
-        scale = 1.0 / tf.add_n([p.weight for p in parts])
-        loss *= scale
-        metrics = {name: value * scale for name, value in metrics.items()}
-    with dispatch_lib.OrderAfter(
-        dispatcher.last_tokens):
-      gradients = self.Gradients(scale)
+      loss, metrics, scale = loss_lib.Normalize(parts)
+    with dispatch_lib.OrderAfter(dispatcher.last_tokens):
+      gradients = step.Gradients(scale)
     if times is not None and len(shards) == 1:
       times = {action: t for (_, action), t in times.items()}
-    return stage_lib.LossAndGradients(loss, gradients, metrics, times)
-
-  def Gradients(self, scale=None):
-    """The step's accumulated gradients, summed over replicas.
-
-    Each replica's buffers live on its own devices; the sum is taken on the
-    variable's device, which is replica 0's stage device.
-    """
-    gradients = []
-    for k in range(self.num_cells):
-      per_replica = [self.stages[r][k].accumulators.Read(scale)
-                     for r in range(len(self.stages))]
-      if len(per_replica) == 1:
-        gradients.extend(per_replica[0])
-        continue
-      for i, v in enumerate(self.stages[0][k].variables):
-        with tf.device(v.device):
-          gradients.append(tf.add_n([grads[i] for grads in per_replica]))
-    return gradients
+    return loss_lib.LossAndGradients(loss, gradients, metrics, times)
 
   def TapeForward(self, shards, training, collector, dispatcher,
                   need_input_gradient):
     """The F actions of a step whose backward the caller's tape will ask for.
 
     Returns (outputs, step): each replica's last-cell outputs, and the state
-    that TapeBackward needs.
+    that TapeBackward needs (its `variables` are what the backward returns
+    gradients for).
     """
-    step = _Step(self, shards, training,
+    step = _Step(self, shards, training, backward=True,
                  need_input_gradient=need_input_gradient)
+    step.release_kept = False
     dispatcher.Run(self._Program(shards, (schedule_lib.FORWARD,)), step)
     step.ApplyStats(collector)
     outputs = [[step.outputs[(r, m)] for m in range(len(shard))]
@@ -447,16 +411,16 @@ class PipelineRuntime:
     Returns:
       (input_gradients, gradients): [replica][micro-batch] gradients of the
       pipeline input's float leaves (None if not needed), and the
-      variables' gradients.
+      variables' gradients (None for a variable the output does not reach).
     """
     step.output_gradients = {(r, m): g for r, per_micro in
                              enumerate(output_gradients)
                              for m, g in enumerate(per_micro)}
+    step.StartBackward()
     dispatcher.Run(self._Program(step.shards, (schedule_lib.BACKWARD,
                                                 schedule_lib.WEIGHT)), step)
-    with dispatch_lib.OrderAfter(
-        dispatcher.last_tokens):
-      gradients = self.Gradients()
+    with dispatch_lib.OrderAfter(dispatcher.last_tokens):
+      gradients = step.Gradients()
     input_gradients = None
     if step.need_input_gradient:
       input_gradients = [[step.input_gradients[(r, m)]

@@ -65,10 +65,6 @@ def _OutSize(size, stride):
   return None if size is None else math.ceil(size / stride)
 
 
-def _Elements(shape):
-  return base_layer.NumElements(shape, core.BatchSize(shape))
-
-
 class ReluConvBn(base_layer.BaseLayer):
   """BN(conv(relu(x))) without a conv bias: the unit every AmoebaNet op is made of."""
 
@@ -102,7 +98,7 @@ class ReluConvBn(base_layer.BaseLayer):
     bn_meta = bn_p.target_cls.FPropMeta(bn_p, conv_meta.output_shape)
     total = base_layer.SumCosts([conv_meta, bn_meta])
     if p.relu:
-      total.flops += _Elements(input_shape)
+      total.flops += core.Elements(input_shape)
     total.activation_bytes = bn_meta.activation_bytes
     return total
 
@@ -164,7 +160,7 @@ class FactorizedReduce(base_layer.BaseLayer):
     bn = bn_p.target_cls.FPropMeta(bn_p, out_shape)
     return base_layer.CostMeta(
         output_shape=out_shape,
-        flops=even.flops + odd.flops + bn.flops + _Elements(input_shape),
+        flops=even.flops + odd.flops + bn.flops + core.Elements(input_shape),
         num_params=even.num_params + odd.num_params + bn.num_params,
         activation_bytes=bn.activation_bytes)
 
@@ -211,7 +207,7 @@ class Pool2DLayer(base_layer.BaseLayer):
                  channels)
     return base_layer.CostMeta(
         output_shape=out_shape,
-        flops=float(p.window * p.window * _Elements(out_shape)),
+        flops=float(p.window * p.window * core.Elements(out_shape)),
         num_params=0,
         activation_bytes=core.OutputBytes(out_shape, p.dtype))
 
@@ -343,7 +339,7 @@ class AmoebaCell(base_layer.BaseLayer):
         raise ValueError(f'{p.name}: node {len(state_shapes)} adds shapes '
                          f'{out_shapes[0]} and {out_shapes[1]}.')
       state_shapes.append(out_shapes[0])
-      add_flops += _Elements(out_shapes[0])
+      add_flops += core.Elements(out_shapes[0])
     out_shape = tuple(state_shapes[concat[0]][:-1]) + (
         sum(state_shapes[i][-1] for i in concat),)
     output_shape = (out_shape, tuple(prev_shape))
@@ -448,7 +444,7 @@ class ClassifierHead(base_layer.BaseLayer):
     fc = fc_p.target_cls.FPropMeta(fc_p, pooled)
     return base_layer.CostMeta(
         output_shape=fc.output_shape,
-        flops=2.0 * _Elements(shape) + dropout.flops + fc.flops,
+        flops=2.0 * core.Elements(shape) + dropout.flops + fc.flops,
         num_params=fc.num_params,
         activation_bytes=fc.activation_bytes)
 

@@ -171,7 +171,7 @@ class TransformerLayer(base_layer.BaseLayer):
           input_shape)
       costs.append(child.target_cls.FPropMeta(child, in_shape))
     total = base_layer.SumCosts(costs)
-    elements = base_layer.NumElements(input_shape, core.BatchSize(input_shape))
+    elements = core.Elements(input_shape)
     return base_layer.CostMeta(
         output_shape=tuple(input_shape),
         flops=total.flops + 2.0 * elements,  # Plus the two residual adds.

@@ -46,6 +46,11 @@ def BatchSize(shape):
   return 1 if batch is None else int(batch)
 
 
+def Elements(shape):
+  """Elements of a (nested) shape, an unknown batch dim counted as BatchSize."""
+  return base_layer.NumElements(shape, BatchSize(shape))
+
+
 def NumPositions(shape):
   """Elements of `shape` but its last dim: the rows a per-feature op runs on."""
   batch = BatchSize(shape)
@@ -56,7 +61,7 @@ def NumPositions(shape):
 def OutputBytes(shape, dtype):
   """Bytes of an activation of `shape`, counting an unknown batch as 1."""
   return float(DtypeBytes(dtype) *
-               base_layer.NumElements(shape, BatchSize(shape)))
+               Elements(shape))
 
 
 def ChildSeed(random_seed, i):
@@ -159,8 +164,7 @@ class DropoutLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p, input_shape):
     return base_layer.CostMeta(
         output_shape=tuple(input_shape),
-        flops=2.0 * base_layer.NumElements(input_shape,
-                                           BatchSize(input_shape)),
+        flops=2.0 * Elements(input_shape),
         num_params=0,
         activation_bytes=OutputBytes(input_shape, p.dtype))
 

@@ -125,8 +125,7 @@ def _Layers(layer):
 
 def _InStep():
   return (base_layer.CurrentStepSeed() is not None or
-          base_layer.CurrentStatsCollector() is not None or
-          base_layer.IsRecomputing())
+          base_layer.CurrentStatsCollector() is not None)
 
 
 # The replacements are attributes of layers that other threads may call too
@@ -302,11 +301,13 @@ class _DeferredKerasBatchNorm:
   """What the step's DeferredStatsCollector applies for a Keras BatchNormalization.
 
   One per layer (see _DeferredStatsOf), so all micro-batches' records of a
-  layer are merged into one update.
+  layer are merged into one update. It holds its layer weakly: it is the
+  value of a WeakKeyDictionary keyed by that layer, and a value that held
+  its key would keep the layer alive forever.
   """
 
   def __init__(self, layer):
-    self.layer = layer
+    self._layer = weakref.ref(layer)
 
   def ApplyDeferredStats(self, records):
     counts = [tf.cast(c, tf.float32) for c, _ in records]
@@ -318,7 +319,7 @@ class _DeferredKerasBatchNorm:
     second = tf.add_n([c * (v + tf.square(m))
                        for c, m, v in zip(counts, means, variances)]) / total
     variance = tf.maximum(second - tf.square(mean), 0.0)
-    return UpdateMovingStats(self.layer, mean, variance)
+    return UpdateMovingStats(self._layer(), mean, variance)
 
 
 _DEFERRED = weakref.WeakKeyDictionary()
@@ -362,7 +363,7 @@ def _BatchNormCall(layer):
                       tf.float32)
       collector.Add(_DeferredStatsOf(layer),
                     {'mean': mean, 'variance': variance}, count)
-    elif not base_layer.IsRecomputing():
+    else:
       UpdateMovingStats(layer, mean, variance)
     gamma = tf.cast(layer.gamma, x.dtype) if layer.scale else None
     beta = tf.cast(layer.beta, x.dtype) if layer.center else None

@@ -72,8 +72,7 @@ class SoftmaxCrossEntropy(base_layer.BaseLayer):
       logits_shape = input_shape['logits']
     else:
       logits_shape = input_shape[0]
-    elements = base_layer.NumElements(logits_shape,
-                                      core.BatchSize(logits_shape))
+    elements = core.Elements(logits_shape)
     return base_layer.CostMeta(
         output_shape=(),
         # exp, sum, log, subtract and max per logit.

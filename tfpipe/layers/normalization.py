@@ -87,7 +87,7 @@ class BatchNormLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p, input_shape):
-    elements = base_layer.NumElements(input_shape, core.BatchSize(input_shape))
+    elements = core.Elements(input_shape)
     return base_layer.CostMeta(
         output_shape=tuple(input_shape),
         flops=8.0 * elements,
@@ -119,7 +119,7 @@ class LayerNorm(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, p, input_shape):
-    elements = base_layer.NumElements(input_shape, core.BatchSize(input_shape))
+    elements = core.Elements(input_shape)
     return base_layer.CostMeta(
         output_shape=tuple(input_shape),
         flops=8.0 * elements,

@@ -35,10 +35,6 @@ from tfpipe.layers import embedding
 PAD_ID = 0
 
 
-def _Elements(shape):
-  return base_layer.NumElements(shape, core.BatchSize(shape))
-
-
 def _StateBytes(shapes, dtype):
   """Bytes of a state dict: its float streams and the int32 paddings."""
   total = 0.0
@@ -219,7 +215,7 @@ class Seq2SeqEmbedding(base_layer.BaseLayer):
     out = {'encoded': source + (p.embedding_dim,),
            'source_paddings': source,
            'decoded': target + (p.embedding_dim,)}
-    elements = _Elements(out['encoded']) + _Elements(out['decoded'])
+    elements = core.Elements(out['encoded']) + core.Elements(out['decoded'])
     return base_layer.CostMeta(
         output_shape=out,
         # Scaling, adding positions and dropout.
@@ -343,7 +339,7 @@ class _Seq2SeqBlock(base_layer.BaseLayer):
     out = dict(input_shape)
     return base_layer.CostMeta(
         output_shape=out,
-        flops=total.flops + num_adds * _Elements(stream),
+        flops=total.flops + num_adds * core.Elements(stream),
         num_params=total.num_params,
         activation_bytes=_StateBytes(out, p.dtype))
 

@@ -18,7 +18,7 @@ from tfpipe import gpipe
 from tfpipe import hyperparams
 from tfpipe import placement
 from tfpipe.gpipe import partition
-from tfpipe.gpipe import stage as stage_lib
+from tfpipe.gpipe import loss as loss_lib
 from tfpipe.trainer import optimizer as optimizer_lib
 
 
@@ -257,9 +257,9 @@ class BaseTask:
     # default device (which would pull the whole model onto GPU:0).
     placement.FollowInputDevicesToTheEnd()
     with placement.FollowInputDevices():
+      # A variable that no loss reaches has no gradient (None): the Keras
+      # optimizer skips it, so its momentum and weight decay leave it alone.
       grads = placement.OnVariableDevices(gradients, variables)
-      grads = [tf.zeros_like(v) if g is None else g
-               for g, v in zip(grads, variables)]
       grads, grad_norm = optimizer_lib.ClipGradients(
           grads, self.p.train.clip_gradient_norm)
       lr = self.learning_rate_schedule(self.optimizer.iterations)
@@ -293,8 +293,9 @@ class BaseTask:
     with tf.device(self.pipe.cell_devices[-1]):
       # The whole batch at once: a mean is the mean, a (sum, weight) pair
       # is divided here, as the pipeline divides it in training.
-      parts = stage_lib.ParseLoss(self.model.Loss(outputs, targets), 1.0,
-                                  1.0)
+      parts = loss_lib.ParseLoss(
+          self.model.Loss(outputs, targets), 1.0,
+          loss_lib.BatchSize(outputs, self.pipe.p.batch_dim))
       scale = 1.0 / parts.weight if parts.is_sum else 1.0
       result = {'loss': parts.numerator * scale}
       result.update({name: value * scale

@@ -1,0 +1,58 @@
+"""What one cell does for one micro-batch: records, programs and gradients."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.gpipe import pipelining_layer_test as plt_test
+from tfpipe import layers
+from tfpipe.gpipe import cell_runtime
+
+_Pipeline = plt_test._Pipeline  # pylint: disable=protected-access
+_Data = plt_test._Data  # pylint: disable=protected-access
+_Loss = plt_test._Loss  # pylint: disable=protected-access
+_LayerParams = plt_test._LayerParams  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('schedule,fused', [('1f1b', 4), ('gpipe', 1)])
+def test_last_cell_runs_forward_and_backward_as_one_call_when_adjacent(
+    schedule, fused):
+  """B(m, K-1) right after F(m, K-1): one call, no recompute, same result."""
+  layer_params = _LayerParams(4)
+  x, y = _Data()
+  ref_loss, ref_grads = plt_test._Reference(layer_params, x, y)  # pylint: disable=protected-access
+  pipe = _Pipeline(layer_params, 2, 4, schedule=schedule)
+  calls = []
+  last = pipe.runtime.cells[0][-1]
+  for name in ('ForwardBackward', 'Backward'):
+    original = getattr(last, name)
+    setattr(last, name, lambda *a, original=original, name=name, **k: (
+        calls.append(name), original(*a, **k))[1])
+  out = pipe.ComputeLossAndGradients(x, y, _Loss)
+  np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+  plt_test._AssertAllClose(out.gradients, ref_grads)  # pylint: disable=protected-access
+  assert calls.count('ForwardBackward') == fused
+  assert calls.count('Backward') == 4 - fused
+
+
+def test_records_say_what_a_micro_batch_keeps():
+  """Re-materialized: the input; otherwise the residuals, none of them the
+  cell's input of another micro-batch or the weights."""
+  x, _ = _Data()
+  kept = {}
+  for remat in ('always', 'never'):
+    pipe = _Pipeline(_LayerParams(4), 2, 1, remat_policy=remat)
+    pipe.build(x.shape)
+    cell = pipe.runtime.cells[0][0]
+    inputs = cell_runtime.ActionInputs(x, tf.constant([1, 2], tf.int64),
+                                       tf.constant(0, tf.int64))
+    keep = 'input' if remat == 'always' else 'residuals'
+    _, _, record = cell.Forward(inputs, True, cell.Variables(), keep)
+    kept[remat] = record
+  assert isinstance(kept['always'], cell_runtime.KeptInput)
+  assert kept['always'].tensors[0] is x
+  assert isinstance(kept['never'], cell_runtime.KeptResiduals)
+  # Two tanh layers: the input and each layer's output.
+  assert sorted(tuple(t.shape) for t in kept['never'].tensors
+                if t.dtype.is_floating and t.shape.rank) == [
+                    (plt_test.BATCH, plt_test.DIM)] * 3
