@@ -51,6 +51,8 @@ from tfpipe.gpipe import partition
 from tfpipe.gpipe import runtime as runtime_lib
 from tfpipe.gpipe import schedule as schedule_lib
 from tfpipe.gpipe import stage as stage_lib
+from tfpipe.gpipe import tied_variables
+from tfpipe.layers import core as layers_core
 
 EXECUTORS = ('auto', 'graph', 'threads')
 
@@ -209,11 +211,19 @@ class PipeliningLayer(base_layer.BaseLayer):
         cell_p.name = f'cell{k}'
       with tf.device(self._cell_devices[k]):
         self.cells.append(cell_p.Instantiate())
+    unbound = layers_core.BindTiedEmbeddings(self.cells)
+    if unbound:
+      raise ValueError(
+          f'{p.name}: layer {unbound[0].p.name!r} has tied_embedding='
+          f'{unbound[0].p.tied_embedding!r}, but no cell holds an '
+          'EmbeddingLayer of that name. Name the embedding layer so, or set '
+          'tied_embedding=None.')
     with tf.device(self._cell_devices[0]):
       self._step_counter = self.add_weight(
           name='step_counter', shape=(), dtype='int64', initializer='zeros',
           trainable=False)
     self._runtime = None
+    self._tied = None
     self._executors = {}
     self._threads = dispatch_lib.Threads(name=p.name)
     self._isolated = {}
@@ -265,8 +275,9 @@ class PipeliningLayer(base_layer.BaseLayer):
   def runtime(self):
     """The PipelineRuntime that runs every entry point (created on first use)."""
     if self._runtime is None:
+      cells = self._tied.RuntimeCells() if self._tied else self.cells
       self._runtime = runtime_lib.PipelineRuntime(
-          self.cells, self._replica_devices, self.p.schedule,
+          cells, self._replica_devices, self.p.schedule,
           self.p.remat_policy, self.p.name,
           lambda k, x, e: CellError(self.p.name, self.cells, k, x, e))
     return self._runtime
@@ -396,7 +407,8 @@ class PipeliningLayer(base_layer.BaseLayer):
   @tf.autograph.experimental.do_not_convert
   def FProp(self, inputs, training=None):
     training = bool(training)
-    self._CheckNoSharedVariables()
+    tied = self.TiedVariables(inputs)
+    tied.Refresh()
     step = self._NextStep(training)
     shards, _ = self._Shards(inputs, None, step)
     collector = base_layer.DeferredStatsCollector() if training else None
@@ -451,6 +463,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         i += len(per_replica)
       input_gradients, gradients = self.runtime.TapeBackward(
           step, per_micro, self._Dispatcher(inputs))
+      gradients = self._tied.Fold(gradients)
       if input_gradients is None:
         dx = [None] * len(float_inputs)
       else:
@@ -515,7 +528,8 @@ class PipeliningLayer(base_layer.BaseLayer):
   @tf.autograph.experimental.do_not_convert
   def _ComputeLossAndGradients(self, inputs, targets, loss_fn, training, step,
                                record_times):
-    self._CheckNoSharedVariables()
+    tied = self.TiedVariables(inputs)
+    tied.Refresh()
     if step is None:
       step = self._NextStep(training)
     shards, batch_size = self._Shards(inputs, targets, step)
@@ -527,7 +541,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         self._Dispatcher(inputs), record_times)
     if collector is not None:
       collector.Apply()
-    return result
+    return result._replace(gradients=tied.Fold(result.gradients))
 
   def _trackable_children(self, save_type='checkpoint', **kwargs):
     """Checkpoints name each layer by its own name, not by its cell.
@@ -550,19 +564,51 @@ class PipeliningLayer(base_layer.BaseLayer):
     return children
 
   def _CellVariables(self):
-    return [v for cell in self.cells for v in cell.trainable_variables]
-
-  def _CheckNoSharedVariables(self):
-    owners = {}
-    for k, cell in enumerate(self.cells):
+    """The cells' trainable variables, each once: what gradients align with."""
+    if self._tied is not None:
+      return self._tied.CellVariables()
+    seen = {}
+    for cell in self.cells:
       for v in cell.trainable_variables:
-        key = id(v)
-        if key in owners and owners[key] != k:
-          raise ValueError(
-              f'{self.p.name}: variable {v.path} is used by cell '
-              f'{owners[key]} and cell {k}. Cells on different devices cannot '
-              'share variables; give each cell its own (e.g. untie embeddings).')
-        owners[key] = k
+        seen.setdefault(id(v), v)
+    return list(seen.values())
+
+  def TiedVariables(self, inputs=None):
+    """The variables a cell reads from another cell, each given a copy.
+
+    Found on first use by tracing the cells once on `inputs`' shapes
+    (tied_variables.py); later calls return what was found.
+
+    Args:
+      inputs: the pipeline input (tensors or tf.TensorSpecs, any batch size);
+        needed on the first call only.
+    """
+    if self._tied is None:
+      if inputs is None:
+        raise ValueError(f'{self.p.name}: TiedVariables needs the pipeline '
+                         'input (or its tf.TensorSpecs) on its first call.')
+      if not self.built:
+        self.build(tf.nest.map_structure(lambda t: tuple(t.shape), inputs))
+      self._tied = tied_variables.Find(
+          self.cells, self._cell_devices, self._MicroBatchSpec(inputs),
+          lambda k, x, e: CellError(self.p.name, self.cells, k, x, e))
+      if self._tied.ties:
+        self._runtime = None  # Its stages must see the copies.
+    return self._tied
+
+  def _MicroBatchSpec(self, inputs):
+    batch_dim = self.p.batch_dim
+
+    def Spec(t):
+      if t is None:
+        return None
+      if not isinstance(t, (tf.TensorSpec, tf.Tensor, tf.Variable)):
+        t = tf.convert_to_tensor(t)
+      shape = list(t.shape)
+      if len(shape) > batch_dim:
+        shape[batch_dim] = None
+      return tf.TensorSpec(shape, t.dtype)
+    return tf.nest.map_structure(Spec, inputs)
 
   @classmethod
   def FPropMeta(cls, p, input_shape):
