@@ -207,9 +207,9 @@ class TiedVariables:
         result[i] = g if result[i] is None else stage_lib.AsDense(result[i]) + g
     return result
 
-  def Describe(self, devices):
-    """One line per tie, e.g. for tfpipe.keras.describe."""
-    return [f'tied: {_Name(t.variable)} (cell {t.owner}) is read by cell '
+  def Describe(self, devices, unit='cell'):
+    """One line per tie, e.g. for tfpipe.keras.describe (unit='stage')."""
+    return [f'tied: {_Name(t.variable)} ({unit} {t.owner}) is read by {unit} '
             f'{t.reader} through its copy on {devices[t.reader]}'
             for t in self.ties]
 

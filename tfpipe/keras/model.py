@@ -84,10 +84,7 @@ def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pyli
     step_costs = costs_lib.StepCosts(graph, 'params')
   else:
     if n < num_partitions:
-      raise ValueError(
-          f'tfpipe.keras.pipeline: model {model.name!r} has {n} layer calls, '
-          f'too few to cut into num_partitions={num_partitions} non-empty '
-          'stages. Use num_partitions <= ' f'{n}.')
+      raise graph_lib.TooFewStepsError(graph, num_partitions)
     step_costs = costs_lib.StepCosts(graph, balance, profile_batch_size)
     counts = partition.BlockPartition(step_costs, num_partitions)
   plans = graph_lib.PlanStages(graph, counts)
@@ -130,6 +127,11 @@ class PipelinedModel(keras.Model):
     self._loss_fns = {}
     if place_variables:
       PlaceVariables(self.pipe)
+    # Found now, from the model's input specs: describe() shows the ties, and
+    # a stage that cannot run fails here rather than in the first step.
+    self.pipe.TiedVariables({
+        key: tf.TensorSpec(t.shape, t.dtype)
+        for key, t in zip(graph.input_keys, graph.function.inputs)})
     self.output_names = list(getattr(model, 'output_names', []) or [])
     self.built = True
 
@@ -289,10 +291,18 @@ class PipelinedModel(keras.Model):
 
 
 def PlaceVariables(pipe):
-  """Re-creates each cell's variables on the cell's device, keeping values."""
+  """Re-creates each cell's variables on the cell's device, keeping values.
+
+  A variable of a layer shared by several cells stays with the first; the
+  others read it through copies (gpipe/tied_variables.py).
+  """
+  placed = set()
   for cell, device in zip(pipe.cells, pipe.cell_devices):
     wanted = tf.DeviceSpec.from_string(device)
     for v in cell.weights:
+      if id(v) in placed:
+        continue
+      placed.add(id(v))
       current = tf.DeviceSpec.from_string(v.value.device)
       if current.make_merged_spec(wanted) == current:
         continue  # Already on the stage's device.
@@ -382,9 +392,12 @@ def describe(pm):  # pylint: disable=invalid-name
           f'schedule={pipe.p.schedule!r}, remat_policy='
           f'{pipe.p.remat_policy!r}, cost={balance!r}']
   total = sum(pm.stage_costs) or 1.0
+  counted = set()
   for plan, cell, device, cost in zip(pm.stage_plans, pipe.cells,
                                       pipe.cell_devices, pm.stage_costs):
-    params = int(sum(np.prod(v.shape) for v in cell.trainable_variables))
+    own = [v for v in cell.trainable_variables if id(v) not in counted]
+    counted.update(id(v) for v in own)
+    params = int(sum(np.prod(v.shape) for v in own))
     names = [s.name for s in plan.steps]
     rows.append(
         f'stage {plan.index} on {device}: {len(names)} layer calls, '
@@ -395,4 +408,5 @@ def describe(pm):  # pylint: disable=invalid-name
       rows.append(f'            ({", ".join(names)})')
     rows.append(f'  receives: {", ".join(plan.input_keys)}')
     rows.append(f'  sends:    {", ".join(plan.output_keys)}')
+  rows.extend(pipe.TiedVariables().Describe(pipe.cell_devices, 'stage'))
   return '\n'.join(rows)
