@@ -41,6 +41,7 @@ step.
 """
 
 import collections
+import contextlib
 import re
 
 import tensorflow as tf
@@ -242,27 +243,24 @@ def Find(cells, devices, input_spec, describe_error):
       owner.setdefault(id(v), k)
   if len(cells) == 1:
     return TiedVariables(cells, [], owner)
-  reads = [None] * len(cells)
-  watched = [None] * len(cells)
+  reads, accessed = [], []
+  spec = input_spec
+  with tf.init_scope():
+    for k, cell in enumerate(cells):
+      scope = ReadCopies()
 
-  def Trace(x):
-    # Like a recomputing stage: seeded, nothing recorded, nothing updated.
-    with base_layer.StepSeed(tf.zeros([2], tf.int64), tf.zeros([], tf.int64)), (
-        base_layer.CollectDeferredStats(
-            base_layer.DeferredStatsCollector())), base_layer.Recomputing():
-      for k, cell in enumerate(cells):
-        with tf.device(devices[k]), tf.GradientTape() as tape, (
-            ReadCopies()) as scope:
+      def Trace(x, k=k, cell=cell, scope=scope):
+        with _AsARecompute(), tf.device(devices[k]), scope:
           try:
-            x = cell(x, training=True)
+            return cell(x, training=True)
           except stage_lib.CELL_ERRORS as e:
             raise describe_error(k, x, e) from e
-        reads[k] = scope.reads
-        watched[k] = tape.watched_variables()
-    return tf.nest.flatten(x)
-
-  with tf.init_scope():
-    tf.function(Trace, autograph=False).get_concrete_function(input_spec)
+      traced = tf.function(Trace, autograph=False).get_concrete_function(spec)
+      reads.append(scope.reads)
+      # Every variable the trace read, the bare tf.Variables included.
+      accessed.append(traced.graph.variables)
+      spec = tf.nest.map_structure(
+          lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
   keras_of = {id(stage_lib.TfVariable(v)): v
               for cell in cells for v in cell.weights}
   ties = []
@@ -270,7 +268,7 @@ def Find(cells, devices, input_spec, describe_error):
     for key, v in reads[k].items():
       if owner.get(key, k) != k:
         ties.append((v, owner[key], k))
-    for tf_variable in watched[k]:
+    for tf_variable in accessed[k]:
       v = keras_of.get(id(tf_variable))
       if v is not None and owner[id(v)] != k and id(v) not in reads[k]:
         raise ValueError(
@@ -282,6 +280,15 @@ def Find(cells, devices, input_spec, describe_error):
             'inside the call.')
   return TiedVariables(cells, [_MakeCopy(v, j, k, devices[k])
                                for v, j, k in ties], owner)
+
+
+@contextlib.contextmanager
+def _AsARecompute():
+  """As a stage recomputes a cell: seeded, nothing recorded or updated."""
+  with base_layer.StepSeed(tf.zeros([2], tf.int64), tf.zeros([], tf.int64)), (
+      base_layer.CollectDeferredStats(base_layer.DeferredStatsCollector())), (
+          base_layer.Recomputing()):
+    yield
 
 
 def _MakeCopy(variable, owner, reader, device):
