@@ -122,6 +122,8 @@ class PipelinedModel(keras.Model):
         compile_step=False, executor=executor).Instantiate()
     self._compiled_step = None
     self._apply_step = None
+    # The trainable variables the two functions above were traced for.
+    self._traced_for = None
     # executor='threads' traces the last stage once per loss_fn object, so
     # the loss_fn for each batch size is kept.
     self._loss_fns = {}
@@ -189,6 +191,7 @@ class PipelinedModel(keras.Model):
     if tf.executing_eagerly() and not self.run_eagerly:
       # fit traces train_step itself; direct eager calls are compiled here
       # (compile(run_eagerly=True) keeps them eager, e.g. for debugging).
+      self._ForgetStaleTraces()
       if self._compiled_step is None:
         self._compiled_step = tf.function(self._PipelineStep,
                                           reduce_retracing=True)
@@ -251,12 +254,26 @@ class PipelinedModel(keras.Model):
     if tf.executing_eagerly():
       # Eager ops without a device run on the default device (GPU:0); the
       # traced update places each variable's work on its stage's device.
+      self._ForgetStaleTraces()
       if self._apply_step is None:
         self._apply_step = tf.function(self._ApplyGradients, autograph=False)
       self._apply_step([grads[i] for i in used], used)
     else:
       self._ApplyGradients([grads[i] for i in used], used)
     return self.get_metrics_result()
+
+  def _ForgetStaleTraces(self):
+    """Drops the traced step and update when the trainable set changed.
+
+    A layer frozen (or unfrozen) between steps changes which gradients the
+    step returns and which variables the update touches, but not the
+    functions' input signatures, so they would not retrace by themselves.
+    """
+    key = tuple(id(v) for v in self.trainable_variables)
+    if key != self._traced_for:
+      self._traced_for = key
+      self._compiled_step = None
+      self._apply_step = None
 
   def _ApplyGradients(self, gradients, used):
     """The optimizer's update, each variable's part on that variable's device.
