@@ -8,7 +8,8 @@ Data flows one way through the modules:
   interpreter of the schedule for every entry point)  ->  dispatch (issue the
   actions inline in one graph, or from one thread per device, and which of
   the two 'auto' means)  ->  pipelining_layer (the Keras layer users build;
-  cell_devices checks where its cells go).
+  cell_devices checks where its cells go; tied_variables gives a cell a copy
+  of each variable it reads from another cell).
 """
 
 from tfpipe import lazy_exports
@@ -37,4 +38,5 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
     ],
     'split_backward': [],
     'stage': ['LossAndGradients'],
+    'tied_variables': [],
 })
