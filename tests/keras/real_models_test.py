@@ -178,10 +178,10 @@ def test_forward_gradients_and_fit_equal_the_plain_models(built, name):
       id(v) for v in model.trainable_variables]
   np.testing.assert_allclose(pm(x), model(x), rtol=1e-5, atol=1e-6)
   _AssertGradientsEqual(pm, model, x, y)
-  # Keras' TF optimizers update only the rows of an embedding that a sparse
-  # gradient names, and Adam's moments then differ from a dense gradient's;
-  # the pipeline's gradients are dense, so the BERT model (untied, with
-  # absent tokens) is fitted with SGD, where both agree.
+  # Keras' TF optimizers apply an embedding's sparse gradient entry by
+  # entry, so Adam's second moment of a repeated token is a sum of squares,
+  # not the square of the sum the pipeline's dense gradient gives. The BERT
+  # model (untied embeddings) is fitted with SGD, where both agree.
   _FitLikePlain(name, model, pm, (
       lambda: keras.optimizers.SGD(0.1)) if name == 'bert_classifier' else (
           lambda: keras.optimizers.Adam(0.01)))
