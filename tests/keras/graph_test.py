@@ -127,18 +127,43 @@ def test_random_layers_and_nested_batch_norm_are_accepted_under_remat(
                         balance='params', remat_policy=remat_policy)
 
 
-def test_layer_shared_across_stages_trains_like_the_plain_model():
-  """A layer called in stages 0 and 1 keeps one variable: stage 1 reads a
-  copy, and the copy's gradient is added to it (gpipe/tied_variables.py)."""
+class _ReadsTable(keras.layers.Layer):
+  """Projects onto another layer's kernel, tracked as its own variable."""
+
+  def __init__(self, table, **kwargs):
+    super().__init__(**kwargs)
+    self.table = table
+
+  def call(self, x):
+    return keras.ops.matmul(x, keras.ops.transpose(self.table))
+
+
+def _SharedLayerModel():
   keras.utils.set_random_seed(0)
   shared = keras.layers.Dense(4, name='shared')
   i = keras.Input((4,))
   h = shared(i)
   h = keras.layers.Dense(4, activation='tanh', name='mid')(h)
-  model = keras.Model(i, keras.layers.Dense(2, name='out')(shared(h)))
+  return keras.Model(i, keras.layers.Dense(2, name='out')(shared(h)))
+
+
+def _SharedVariableModel():
+  keras.utils.set_random_seed(0)
+  i = keras.Input((4,))
+  first = keras.layers.Dense(6, name='shared')
+  h = keras.layers.Dense(6, activation='tanh', name='mid')(first(i))
+  h = _ReadsTable(first.kernel, name='reads_table')(h)
+  return keras.Model(i, keras.layers.Dense(2, name='out')(h))
+
+
+@pytest.mark.parametrize('make', [_SharedLayerModel, _SharedVariableModel])
+def test_layer_or_variable_shared_across_stages_trains_like_plain(make):
+  """Stage 1 reads a copy; its gradient is added to the variable's
+  (gpipe/tied_variables.py). The variable is listed once."""
+  model = make()
   pm = tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
                              num_micro_batches=2, balance=[2, 2])
-  assert pm.stage_plans[1].steps[0].name == 'shared'
+  assert pm.stage_plans[1].steps[0].name in ('shared', 'reads_table')
   assert [id(v) for v in pm.trainable_variables] == [
       id(v) for v in model.trainable_variables]
   assert 'tied: shared/kernel (stage 0) is read by stage 1' in (

@@ -597,16 +597,21 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self._tied
 
   def _MicroBatchSpec(self, inputs):
-    batch_dim = self.p.batch_dim
+    """tf.TensorSpecs of the first micro-batch of `inputs` (batch size None
+    where the batch size is not static)."""
+    p = self.p
 
     def Spec(t):
       if t is None:
         return None
-      if not isinstance(t, (tf.TensorSpec, tf.Tensor, tf.Variable)):
+      if not isinstance(t, (tf.TensorSpec, tf.Tensor)):
         t = tf.convert_to_tensor(t)
       shape = list(t.shape)
-      if len(shape) > batch_dim:
-        shape[batch_dim] = None
+      if len(shape) > p.batch_dim and shape[p.batch_dim] is not None:
+        shard = math.ceil(shape[p.batch_dim] / p.num_replicas)
+        shape[p.batch_dim] = (min(p.micro_batch_size, shard)
+                              if p.micro_batch_size else
+                              math.ceil(shard / p.num_micro_batches))
       return tf.TensorSpec(shape, t.dtype)
     return tf.nest.map_structure(Spec, inputs)
 

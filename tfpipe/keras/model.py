@@ -16,7 +16,9 @@ forward+backward (`ComputeLossAndGradients`) with the compiled loss applied
 per micro-batch on the last stage, and applies one optimizer update per
 mini-batch. Its variables are the original model's (same objects, same
 order), so whatever is trained through `pm` is in `model`, and weight files
-written by `pm.save_weights` are the plain model's.
+written by `pm.save_weights` are the plain model's. A variable that several
+stages read (a shared layer, tied embeddings, a closure) stays with its
+first stage; the others read copies (gpipe/tied_variables.py).
 """
 
 import keras
