@@ -10,6 +10,7 @@ import tfpipe
 from models import transformer_lm
 from tfpipe import gpipe
 from tfpipe import layers
+from tfpipe.gpipe import tied_variables
 from tfpipe.trainer import input_generator
 from tfpipe.trainer import task as task_lib
 
@@ -77,6 +78,28 @@ def test_the_softmax_owns_no_weight_and_reads_the_embedding():
       'emb/emb', 'fc0/w', 'fc0/b', 'fc1/w', 'fc1/b', 'logits/b']
   meta = layers.FCLayer.FPropMeta(_LayerParams()[-1], (None, 5, 8))
   assert meta.num_params == VOCAB
+
+
+def test_read_copies_maps_reads_and_applies_assignments_for_real():
+  """Batch norm's moving statistics still update inside the scope."""
+  dense = keras.layers.Dense(3, use_bias=False)
+  norm = keras.layers.BatchNormalization(momentum=0.5)
+  rng = np.random.RandomState(0)
+  x, weights, value = [tf.constant(rng.randn(*shape), tf.float32)
+                       for shape in ((4, 2), (4, 3), (2, 3))]
+  dense.build((4, 2))
+  norm.build((4, 3))
+  copy = tf.Variable(value)
+  with tf.GradientTape(watch_accessed_variables=False) as tape:
+    tape.watch(copy)
+    with tied_variables.ReadCopies({id(dense.kernel): copy}) as scope:
+      y = norm(dense(x), training=True)
+    loss = tf.reduce_sum(y * weights)
+  np.testing.assert_allclose(dense(x), tf.matmul(x, dense.kernel))
+  mean = tf.reduce_mean(tf.matmul(x, value), axis=0)
+  np.testing.assert_allclose(norm.moving_mean, 0.5 * mean, rtol=1e-6)
+  assert id(dense.kernel) in scope.reads and id(norm.gamma) in scope.reads
+  assert np.abs(tape.gradient(loss, copy)).max() > 0
 
 
 @pytest.mark.parametrize('schedule,remat_policy,executor', [
@@ -171,7 +194,7 @@ def test_a_variable_read_bare_in_another_stage_is_refused():
 def _LmTask(num_partitions, num_micro_batches):
   p = task_lib.BaseTask.Params()
   p.model = transformer_lm.TransformerLm.Params().Set(
-      vocab_size=12, sequence_length=8, model_dim=16, num_layers=2,
+      vocab_size=12, sequence_length=8, model_dim=8, num_layers=1,
       num_heads=2, hidden_dim=32, tie_embeddings=True)
   p.pipeline.Set(num_partitions=num_partitions,
                  num_micro_batches=num_micro_batches, balance='params')
