@@ -590,30 +590,12 @@ class PipeliningLayer(base_layer.BaseLayer):
       if not self.built:
         self.build(tf.nest.map_structure(lambda t: tuple(t.shape), inputs))
       self._tied = tied_variables.Find(
-          self.cells, self._cell_devices, self._MicroBatchSpec(inputs),
+          self.cells, self._cell_devices,
+          tied_variables.MicroBatchSpec(inputs, self.p),
           lambda k, x, e: CellError(self.p.name, self.cells, k, x, e))
       if self._tied.ties:
         self._runtime = None  # Its stages must see the copies.
     return self._tied
-
-  def _MicroBatchSpec(self, inputs):
-    """tf.TensorSpecs of the first micro-batch of `inputs` (batch size None
-    where the batch size is not static)."""
-    p = self.p
-
-    def Spec(t):
-      if t is None:
-        return None
-      if not isinstance(t, (tf.TensorSpec, tf.Tensor)):
-        t = tf.convert_to_tensor(t)
-      shape = list(t.shape)
-      if len(shape) > p.batch_dim and shape[p.batch_dim] is not None:
-        shard = math.ceil(shape[p.batch_dim] / p.num_replicas)
-        shape[p.batch_dim] = (min(p.micro_batch_size, shard)
-                              if p.micro_batch_size else
-                              math.ceil(shard / p.num_micro_batches))
-      return tf.TensorSpec(shape, t.dtype)
-    return tf.nest.map_structure(Spec, inputs)
 
   @classmethod
   def FPropMeta(cls, p, input_shape):

@@ -42,6 +42,7 @@ step.
 
 import collections
 import contextlib
+import math
 import re
 
 import tensorflow as tf
@@ -128,10 +129,10 @@ class TiedVariables:
     self._runtime_cells = [
         _CellReadingCopies(cell, k, owner,
                            [t for t in self.ties if t.reader == k])
-        if self._Rewrapped(cell, k) else cell
+        if self._NeedsWrapping(cell, k) else cell
         for k, cell in enumerate(self._cells)]
 
-  def _Rewrapped(self, cell, k):
+  def _NeedsWrapping(self, cell, k):
     if any(t.reader == k for t in self.ties):
       return True
     return any(self._owner.get(id(v), k) != k for v in cell.weights)
@@ -217,6 +218,25 @@ class TiedVariables:
 
 def _Name(variable):
   return getattr(variable, 'path', None) or variable.name
+
+
+def MicroBatchSpec(inputs, p):
+  """tf.TensorSpecs of the first micro-batch a pipeline with params `p` cuts
+  from `inputs` (tensors or specs); the batch size stays None if unknown."""
+
+  def Spec(t):
+    if t is None:
+      return None
+    if not isinstance(t, (tf.TensorSpec, tf.Tensor)):
+      t = tf.convert_to_tensor(t)
+    shape = list(t.shape)
+    if len(shape) > p.batch_dim and shape[p.batch_dim] is not None:
+      shard = math.ceil(shape[p.batch_dim] / p.num_replicas)
+      shape[p.batch_dim] = (min(p.micro_batch_size, shard)
+                            if p.micro_batch_size else
+                            math.ceil(shard / p.num_micro_batches))
+    return tf.TensorSpec(shape, t.dtype)
+  return tf.nest.map_structure(Spec, inputs)
 
 
 def Find(cells, devices, input_spec, describe_error):
