@@ -63,6 +63,8 @@ class TransformerLm(models.BaseModel):
     p.Define('hidden_dim', 256, 'Hidden size of each block\'s feed-forward net.')
     p.Define('dropout_prob', 0.0,
              'Dropout probability of residual and attention activations.')
+    p.Define('tie_embeddings', False, 'Whether the logits layer uses the '
+             'input embedding table, transposed, as its weight.')
     return p
 
   def LayerParamsList(self):
@@ -85,7 +87,7 @@ class TransformerLm(models.BaseModel):
         name='final_ln', input_dim=p.model_dim))
     result.append(layers.FCLayer.Params().Set(
         name='logits', input_dims=p.model_dim, output_dims=p.vocab_size,
-        activation='none'))
+        activation='none', tied_embedding='emb' if p.tie_embeddings else None))
     return result
 
   def InputShape(self):

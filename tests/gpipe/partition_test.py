@@ -142,6 +142,18 @@ def test_balance_by_time_profiles_each_layer():
   assert sum(len(c.sub) for c in cells) == 4
 
 
+def test_balance_by_time_profiles_an_embedding_and_the_softmax_tied_to_it():
+  """The embedding's gradient is sparse; the softmax reads its table."""
+  params = [layers.EmbeddingLayer.Params().Set(name='emb', vocab_size=11,
+                                               embedding_dim=8),
+            _Fc('mid', 8, 8),
+            layers.FCLayer.Params().Set(name='softmax', input_dims=8,
+                                        output_dims=11, tied_embedding='emb')]
+  times = partition.ProfileLayerTimes(params, (4, 5), input_dtype='int32',
+                                      repeats=1)
+  assert len(times) == 3 and all(t > 0 for t in times)
+
+
 def test_explicit_balance_and_its_errors():
   params = [_Fc(f'l{i}', 4, 4) for i in range(5)]
   cells = partition.PartitionSequentialLayers(params, 2, balance=[1, 4])

@@ -127,23 +127,96 @@ def test_random_layers_and_nested_batch_norm_are_accepted_under_remat(
                         balance='params', remat_policy=remat_policy)
 
 
-def test_shared_layer_across_stages_is_refused():
+class _ReadsTable(keras.layers.Layer):
+  """Projects onto another layer's kernel, tracked as its own variable."""
+
+  def __init__(self, table, **kwargs):
+    super().__init__(**kwargs)
+    self.table = table
+
+  def call(self, x):
+    return keras.ops.matmul(x, keras.ops.transpose(self.table))
+
+
+def _SharedLayerModel():
+  keras.utils.set_random_seed(0)
   shared = keras.layers.Dense(4, name='shared')
   i = keras.Input((4,))
   h = shared(i)
-  h = keras.layers.Dense(4, name='mid')(h)
-  model = keras.Model(i, keras.layers.Dense(2)(shared(h)))
-  with pytest.raises(ValueError, match="'shared' is shared.*stage 0.*stage 1"):
-    tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
-                          balance=[2, 2])
-  # All calls in one stage is fine.
-  tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
-                        balance=[3, 1])
+  h = keras.layers.Dense(4, activation='tanh', name='mid')(h)
+  return keras.Model(i, keras.layers.Dense(2, name='out')(shared(h)))
+
+
+def _SharedVariableModel():
+  keras.utils.set_random_seed(0)
+  i = keras.Input((4,))
+  first = keras.layers.Dense(6, name='shared')
+  h = keras.layers.Dense(6, activation='tanh', name='mid')(first(i))
+  h = _ReadsTable(first.kernel, name='reads_table')(h)
+  return keras.Model(i, keras.layers.Dense(2, name='out')(h))
+
+
+@pytest.mark.parametrize('make', [_SharedLayerModel, _SharedVariableModel])
+def test_layer_or_variable_shared_across_stages_trains_like_plain(make):
+  """Stage 1 reads a copy; its gradient is added to the variable's
+  (gpipe/tied_variables.py). The variable is listed once."""
+  model = make()
+  pm = tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
+                             num_micro_batches=2, balance=[2, 2])
+  assert pm.stage_plans[1].steps[0].name in ('shared', 'reads_table')
+  assert [id(v) for v in pm.trainable_variables] == [
+      id(v) for v in model.trainable_variables]
+  assert 'tied: shared/kernel (stage 0) is read by stage 1' in (
+      tfpipe.keras.describe(pm))
+  pm.compile(loss='mse')
+  x, y = model_test._Data(model)
+  model_test._AssertGradientsEqual(pm, model, x, y, model_test._Mse, 1)
+
+
+def _NestedClassifier(backbone_kwargs):
+  keras.utils.set_random_seed(0)
+  a = keras.Input((4,), name='a')
+  b = keras.Input((4,), name='b')
+  backbone = keras.Model(
+      {'a': a, 'b': b},
+      keras.layers.Dense(4, name='b2')(keras.layers.Dense(4, name='b1')(
+          keras.layers.Add(name='sum')([a, b]))), name='backbone')
+  x = {'a': keras.Input((4,), name='x_a'), 'b': keras.Input((4,), name='x_b')}
+  out = keras.layers.Dense(2, name='head')(backbone(x, **backbone_kwargs))
+  return keras.Model(x, out, name='classifier')
+
+
+def test_nested_model_called_on_a_dict_with_none_masks_is_expanded():
+  """As keras_hub task models call their backbones: mask={'a': None, ...}."""
+  model = _NestedClassifier({'mask': {'a': None, 'b': None}})
+  assert [s.name for s in graph_lib.ModelGraph(model).steps] == [
+      'sum', 'b1', 'b2', 'head']
+  pm = tfpipe.keras.pipeline(model, num_partitions=4, devices=DEVICES[:4],
+                             num_micro_batches=2, balance='params')
+  rng = np.random.RandomState(0)
+  x = {'a': rng.randn(4, 4).astype(np.float32),
+       'b': rng.randn(4, 4).astype(np.float32)}
+  np.testing.assert_allclose(pm(x), model(x), rtol=1e-6)
+
+
+def test_too_few_layer_calls_names_the_nested_model_kept_whole():
+  model = _NestedClassifier({'mask': {'a': keras.ops.ones((1, 4)),
+                                      'b': None}})
+  with pytest.raises(ValueError, match=(
+      r"has 2 layer calls, too few .*num_partitions=4.*layer 'backbone' "
+      r"\(Functional\) is one call because it is called with the keyword "
+      r"argument 'mask' holding tensors")):
+    tfpipe.keras.pipeline(model, num_partitions=4, balance='params')
+  with pytest.raises(ValueError, match=r'has 4 layer calls, too few to cut '
+                     r'into num_partitions=5 non-empty stages. Use '
+                     r'num_partitions <= 4.$'):
+    tfpipe.keras.pipeline(model_test._Sequential(), num_partitions=5,
+                          balance='params')
 
 
 def test_add_loss_at_run_time_is_refused():
+  """Seen when pipeline() traces the stages (to find what each reads)."""
   model = _Build(keras.layers.Dense(3), _AddsLoss(name='adds'))
-  pm = tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
-                             num_micro_batches=2, balance='params')
   with pytest.raises(ValueError, match="'adds'.*add_loss"):
-    pm(np.ones((2, 4), np.float32))
+    tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
+                          num_micro_batches=2, balance='params')

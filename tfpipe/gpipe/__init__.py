@@ -11,7 +11,8 @@ Data flows one way through the modules:
   pipe(x) under a GradientTape)  ->  dispatch (issue the actions inline in
   one graph, or from one thread per device, and which of the two 'auto'
   means)  ->  pipelining_layer (the Keras layer users build; cell_devices
-  checks where its cells go); reference builds the same layers
+  checks where its cells go; tied_variables gives a cell a copy of each
+  variable it reads from another cell); reference builds the same layers
   un-pipelined, with the pipeline's values, to check a model against.
 """
 
@@ -54,4 +55,5 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
     'split_backward': [],
     'stage': [],
     'tape_path': [],
+    'tied_variables': [],
 })

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tfpipe import base_layer
 from tfpipe.gpipe import cell as cell_lib
+from tfpipe.layers import core as layers_core
 
 BALANCE_METHODS = ('params', 'flops', 'memory', 'time')
 
@@ -176,10 +177,14 @@ def ProfileLayerTimes(layer_params_list, input_shape, input_dtype='float32',
   """Median forward+backward seconds of each layer, measured on `device`."""
   times = []
   x = None
+  profiled = []
   with tf.device(device or _DefaultDevice()):
     x = _RandomInput(input_shape, input_dtype)
     for p in layer_params_list:
       layer = p.Instantiate()
+      profiled.append(layer)
+      # A tied softmax reads an embedding profiled before it.
+      layers_core.BindTiedEmbeddings(profiled)
       if not layer.built:
         layer.build(base_layer.MapShapes(lambda s: s,
                                          tf.nest.map_structure(
@@ -200,7 +205,10 @@ def ProfileLayerTimes(layer_params_list, input_shape, input_dtype='float32',
       for _ in range(repeats):
         start = time.perf_counter()
         out = Step(x)
-        tf.nest.map_structure(lambda t: t.numpy() if t is not None else t, out)
+        # An embedding's gradient is IndexedSlices, which has no numpy().
+        tf.nest.map_structure(
+            lambda t: None if t is None else tf.convert_to_tensor(t).numpy(),
+            out)
         samples.append(time.perf_counter() - start)
       times.append(float(np.median(samples)))
       x = y

@@ -50,6 +50,8 @@ from tfpipe.gpipe import partition
 from tfpipe.gpipe import runtime as runtime_lib
 from tfpipe.gpipe import schedule as schedule_lib
 from tfpipe.gpipe import tape_path
+from tfpipe.gpipe import tied_variables
+from tfpipe.layers import core as layers_core
 
 EXECUTORS = ('auto', 'graph', 'threads')
 _MAX_COMPILED_STEPS = 4
@@ -215,11 +217,19 @@ class PipeliningLayer(base_layer.BaseLayer):
         cell_p.name = f'cell{k}'
       with tf.device(self._cell_devices[k]):
         self.cells.append(cell_p.Instantiate())
+    unbound = layers_core.BindTiedEmbeddings(self.cells)
+    if unbound:
+      raise ValueError(
+          f'{p.name}: layer {unbound[0].p.name!r} has tied_embedding='
+          f'{unbound[0].p.tied_embedding!r}, but no cell holds an '
+          'EmbeddingLayer of that name. Name the embedding layer so, or set '
+          'tied_embedding=None.')
     with tf.device(self._cell_devices[0]):
       self._step_counter = self.add_weight(
           name='step_counter', shape=(), dtype='int64', initializer='zeros',
           trainable=False)
     self._runtime = None
+    self._tied = None
     self._executors = {}
     self._threads = dispatch_lib.Threads(name=p.name)
     # One compiled step per loss_fn, the latest few: a tf.function keeps
@@ -272,8 +282,9 @@ class PipeliningLayer(base_layer.BaseLayer):
   def runtime(self):
     """The PipelineRuntime that runs every entry point (created on first use)."""
     if self._runtime is None:
+      cells = self._tied.RuntimeCells() if self._tied else self.cells
       self._runtime = runtime_lib.PipelineRuntime(
-          self.cells, self._replica_devices, self.p.schedule,
+          cells, self._replica_devices, self.p.schedule,
           self.p.remat_policy,
           lambda k, x, e: CellError(self.p.name, self.cells, k, x, e))
     return self._runtime
@@ -396,7 +407,8 @@ class PipeliningLayer(base_layer.BaseLayer):
   @tf.autograph.experimental.do_not_convert
   def FProp(self, inputs, training=None):
     training = bool(training)
-    self._CheckNoSharedVariables()
+    tied = self.TiedVariables(inputs)
+    tied.Refresh()
     step = self._NextStep(training)
     shards, _ = self._Shards(inputs, None, step)
     collector = base_layer.DeferredStatsCollector() if training else None
@@ -404,7 +416,8 @@ class PipeliningLayer(base_layer.BaseLayer):
       outputs = tape_path.Forward(
           self.runtime, inputs, shards, training, collector,
           lambda: self._Dispatcher(inputs),
-          (self._cell_devices[0], self._cell_devices[-1]), self.p.batch_dim)
+          (self._cell_devices[0], self._cell_devices[-1]), self.p.batch_dim,
+          tied)
     else:
       outputs = self._MergeOutputs(self.runtime.Forward(
           shards, training, collector, self._Dispatcher(inputs)))
@@ -471,7 +484,8 @@ class PipeliningLayer(base_layer.BaseLayer):
   @tf.autograph.experimental.do_not_convert
   def _ComputeLossAndGradients(self, inputs, targets, loss_fn, training, step,
                                record_times):
-    self._CheckNoSharedVariables()
+    tied = self.TiedVariables(inputs)
+    tied.Refresh()
     if step is None:
       step = self._NextStep(training)
     shards, batch_size = self._Shards(inputs, targets, step)
@@ -483,7 +497,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         self._Dispatcher(inputs), record_times)
     if collector is not None:
       collector.Apply()
-    return result
+    return result._replace(gradients=tied.Fold(result.gradients))
 
   def _trackable_children(self, save_type='checkpoint', **kwargs):
     """Checkpoints name each layer by its own name, not by its cell.
@@ -506,19 +520,38 @@ class PipeliningLayer(base_layer.BaseLayer):
     return children
 
   def _CellVariables(self):
-    return [v for cell in self.cells for v in cell.trainable_variables]
-
-  def _CheckNoSharedVariables(self):
-    owners = {}
-    for k, cell in enumerate(self.cells):
+    """The cells' trainable variables, each once: what gradients align with."""
+    if self._tied is not None:
+      return self._tied.CellVariables()
+    seen = {}
+    for cell in self.cells:
       for v in cell.trainable_variables:
-        key = id(v)
-        if key in owners and owners[key] != k:
-          raise ValueError(
-              f'{self.p.name}: variable {v.path} is used by cell '
-              f'{owners[key]} and cell {k}. Cells on different devices cannot '
-              'share variables; give each cell its own (e.g. untie embeddings).')
-        owners[key] = k
+        seen.setdefault(id(v), v)
+    return list(seen.values())
+
+  def TiedVariables(self, inputs=None):
+    """The variables a cell reads from another cell, each given a copy.
+
+    Found on first use by tracing the cells once on `inputs`' shapes
+    (tied_variables.py); later calls return what was found.
+
+    Args:
+      inputs: the pipeline input (tensors or tf.TensorSpecs, any batch size);
+        needed on the first call only.
+    """
+    if self._tied is None:
+      if inputs is None:
+        raise ValueError(f'{self.p.name}: TiedVariables needs the pipeline '
+                         'input (or its tf.TensorSpecs) on its first call.')
+      if not self.built:
+        self.build(tf.nest.map_structure(lambda t: tuple(t.shape), inputs))
+      self._tied = tied_variables.Find(
+          self.cells, self._cell_devices,
+          tied_variables.MicroBatchSpec(inputs, self.p),
+          lambda k, x, e: CellError(self.p.name, self.cells, k, x, e))
+      if self._tied.ties:
+        self._runtime = None  # Its stages must see the copies.
+    return self._tied
 
   @classmethod
   def FPropMeta(cls, p, input_shape):

@@ -69,7 +69,7 @@ def _RefuseVectorizing():
 
 
 def Forward(runtime, inputs, shards, training, collector, dispatchers,
-            devices, batch_dim):
+            devices, batch_dim, tied=None):
   """The pipeline's output, recorded as one operation for the caller's tapes.
 
   Args:
@@ -81,6 +81,9 @@ def Forward(runtime, inputs, shards, training, collector, dispatchers,
     dispatchers: fn() -> the dispatcher to issue actions with.
     devices: the first and the last cell's devices.
     batch_dim: the axis that holds the batch.
+    tied: the pipeline's tied_variables.TiedVariables, or None. The engine
+      differentiates the cells' copies of tied variables; the tape is given
+      each tied variable's gradient, its copies' gradients folded in.
 
   Returns:
     The merged output, whose gradient runs the pipeline's backward.
@@ -108,7 +111,11 @@ def Forward(runtime, inputs, shards, training, collector, dispatchers,
     # now. Marked as read here, where tapes (and tf.custom_gradient) see it.
     taken = [v for k in range(runtime.num_cells)
              for v in step.variables[(0, k)]]
-    for v in taken:
+    if tied is not None and tied.ties:
+      reported = [placement.TfVariable(v) for v in tied.CellVariables()]
+    else:
+      reported = taken
+    for v in reported:
       resource_variable_ops.variable_accessed(v)
 
     def Backward(*output_gradients, variables=None):
@@ -137,8 +144,10 @@ def Forward(runtime, inputs, shards, training, collector, dispatchers,
                   for j in range(len(float_inputs))]
       if not variables:
         return dx
+      if reported is not taken:
+        gradients = tied.Fold(gradients)
       # tf.custom_gradient asks for the variables it saw read, in its order.
-      by_variable = {id(v): g for v, g in zip(taken, gradients)}
+      by_variable = {id(v): g for v, g in zip(reported, gradients)}
       return dx, [by_variable.get(id(placement.TfVariable(v)))
                   for v in variables or []]
     return float_outputs, Backward

@@ -64,6 +64,8 @@ class ModelGraph:
     self.input_keys = [f'input:{t.name}:{i}'
                        for i, t in enumerate(function.inputs)]
     self.steps = []
+    # {id(operation): why} for nested models kept as one step.
+    self.unexpanded = {}
     self._names = {}
     self._seen_ops = set()
     keys = {id(t): k for t, k in zip(function.inputs, self.input_keys)}
@@ -86,7 +88,9 @@ class ModelGraph:
         if any(id(t) not in keys for t in node.input_tensors):
           continue  # Not connected to this graph's inputs (Keras skips too).
         op = node.operation
-        inner = _ExpandableModel(op, node)
+        inner, why_not = _ExpandableModel(op, node)
+        if why_not:
+          self.unexpanded.setdefault(id(op), why_not)
         if inner is not None:
           inner_keys = dict(keys)
           for t_in, t_out in zip(inner.inputs, keras.tree.flatten(
@@ -150,21 +154,52 @@ def FunctionalOf(model):
 
 
 def _ExpandableModel(op, node):
-  """The functional graph of a nested model called on one input, else None."""
+  """(the functional graph of a nested model, None) or (None, why it is not).
+
+  A nested model is expanded when its call gives each of its inputs a
+  tensor and no keyword argument holds anything but None (keras_hub task
+  models call their backbone with `mask={'token_ids': None, ...}`) or
+  `training`. `why` is '' for an operation that is not a model.
+  """
   if not isinstance(op, keras.Model):
-    return None
+    return None, ''
   try:
     inner = FunctionalOf(op)
   except ValueError:
-    return None
-  if any(k != 'training' and v is not None
-         for k, v in node.arguments.kwargs.items()):
-    return None
-  if len(node.arguments.args) != 1:
-    return None
-  if len(keras.tree.flatten(node.arguments.args[0])) != len(inner.inputs):
-    return None
-  return inner
+    return None, (f'it is a {type(op).__name__} whose call is Python code '
+                  '(a subclassed model), not a layer graph')
+  for name, value in node.arguments.kwargs.items():
+    if name != 'training' and any(
+        v is not None for v in keras.tree.flatten(value)):
+      return None, (f'it is called with the keyword argument {name!r} '
+                    'holding tensors')
+  if len(node.arguments.args) != 1 or len(keras.tree.flatten(
+      node.arguments.args[0])) != len(inner.inputs):
+    return None, ('its call does not give each of its inputs one tensor of '
+                  'the first argument')
+  return inner, ''
+
+
+def TooFewStepsError(graph, num_partitions):
+  """A ValueError for a model with fewer steps than num_partitions.
+
+  It names the nested models that stayed one step, and why, when there are
+  any: then the limit is tfpipe's, not the model's.
+  """
+  n = len(graph.steps)
+  text = (f'tfpipe.keras.pipeline: model {graph.model.name!r} has {n} layer '
+          f'calls, too few to cut into num_partitions={num_partitions} '
+          'non-empty stages')
+  whole = [(s.operation, graph.unexpanded[id(s.operation)])
+           for s in graph.steps if id(s.operation) in graph.unexpanded]
+  if not whole:
+    return ValueError(f'{text}. Use num_partitions <= {n}.')
+  reasons = '; '.join(f'layer {op.name!r} ({type(op).__name__}) is one call '
+                      f'because {why}' for op, why in whole)
+  return ValueError(
+      f'{text}: nested models are cut like the rest of the graph, but '
+      f'{reasons}. Use num_partitions <= {n}, or build the model so that '
+      'its nested models are functional and called on their inputs alone.')
 
 
 def CheckSupported(graph, remat_policy):
@@ -224,11 +259,9 @@ def PlanStages(graph, counts):
   """Cuts graph.steps into stages of `counts` steps each.
 
   Returns a list of StagePlan; the last stage's output_keys are the model's
-  outputs in order, the others' the sorted keys still needed later.
-
-  Raises:
-    ValueError: when an operation (a shared layer) or a variable would be
-      used in two stages.
+  outputs in order, the others' the sorted keys still needed later. A layer
+  called in two stages (a shared layer) and a variable read in two are
+  allowed: the pipeline gives later stages a copy (gpipe/tied_variables.py).
   """
   liveness = graph.Liveness()
   plans = []
@@ -245,27 +278,4 @@ def PlanStages(graph, counts):
                            if p < end <= last)
     plans.append(StagePlan(k, steps, input_keys, output_keys))
     start = end
-  _CheckNothingShared(plans)
   return plans
-
-
-def _CheckNothingShared(plans):
-  op_stage, var_stage = {}, {}
-  for plan in plans:
-    for step in plan.steps:
-      op = step.operation
-      previous = op_stage.setdefault(id(op), plan.index)
-      if previous != plan.index:
-        raise ValueError(
-            f'tfpipe.keras: layer {op.name!r} is shared: it is called in '
-            f'stage {previous} and in stage {plan.index}, but a layer\'s '
-            'variables live on one stage. Choose num_partitions or an '
-            'explicit balance so that all its calls fall into one stage.')
-      for v in getattr(op, 'trainable_variables', []):
-        owner = var_stage.setdefault(id(v), (plan.index, op.name))
-        if owner[0] != plan.index:
-          raise ValueError(
-              f'tfpipe.keras: variable {v.path} is used by layer '
-              f'{owner[1]!r} in stage {owner[0]} and by layer {op.name!r} '
-              f'in stage {plan.index}. Cut elsewhere (explicit balance) or '
-              'untie the variable.')

@@ -16,7 +16,9 @@ forward+backward (`ComputeLossAndGradients`) with the compiled loss applied
 per micro-batch on the last stage, and applies one optimizer update per
 mini-batch. Its variables are the original model's (same objects, same
 order), so whatever is trained through `pm` is in `model`, and weight files
-written by `pm.save_weights` are the plain model's.
+written by `pm.save_weights` are the plain model's. A variable that several
+stages read (a shared layer, tied embeddings, a closure) stays with its
+first stage; the others read copies (gpipe/tied_variables.py).
 """
 
 import inspect
@@ -87,10 +89,7 @@ def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pyli
     step_costs = costs_lib.StepCosts(graph, 'params')
   else:
     if n < num_partitions:
-      raise ValueError(
-          f'tfpipe.keras.pipeline: model {model.name!r} has {n} layer calls, '
-          f'too few to cut into num_partitions={num_partitions} non-empty '
-          'stages. Use num_partitions <= ' f'{n}.')
+      raise graph_lib.TooFewStepsError(graph, num_partitions)
     step_costs = costs_lib.StepCosts(graph, balance, profile_batch_size)
     counts = partition.BlockPartition(step_costs, num_partitions)
   plans = graph_lib.PlanStages(graph, counts)
@@ -128,11 +127,18 @@ class PipelinedModel(keras.Model):
         compile_step=False, executor=executor).Instantiate()
     self._compiled_step = None
     self._apply_step = None
+    # The trainable variables the two functions above were traced for.
+    self._traced_for = None
     # executor='threads' traces the last stage once per loss_fn object, so
     # the loss_fn for each batch size is kept.
     self._loss_fns = {}
     if place_variables:
       PlaceVariables(self.pipe)
+    # Found now, from the model's input specs: describe() shows the ties, and
+    # a stage that cannot run fails here rather than in the first step.
+    self.pipe.TiedVariables({
+        key: tf.TensorSpec(t.shape, t.dtype)
+        for key, t in zip(graph.input_keys, graph.function.inputs)})
     self.output_names = list(getattr(model, 'output_names', []) or [])
     self.built = True
 
@@ -190,6 +196,7 @@ class PipelinedModel(keras.Model):
     if tf.executing_eagerly() and not self.run_eagerly:
       # fit traces train_step itself; direct eager calls are compiled here
       # (compile(run_eagerly=True) keeps them eager, e.g. for debugging).
+      self._ForgetStaleTraces()
       if self._compiled_step is None:
         self._compiled_step = tf.function(self._PipelineStep,
                                           reduce_retracing=True)
@@ -268,12 +275,26 @@ class PipelinedModel(keras.Model):
     if tf.executing_eagerly():
       # Eager ops without a device run on the default device (GPU:0); the
       # traced update places each variable's work on its stage's device.
+      self._ForgetStaleTraces()
       if self._apply_step is None:
         self._apply_step = tf.function(self._ApplyGradients, autograph=False)
       self._apply_step([grads[i] for i in used], used)
     else:
       self._ApplyGradients([grads[i] for i in used], used)
     return self.get_metrics_result()
+
+  def _ForgetStaleTraces(self):
+    """Drops the traced step and update when the trainable set changed.
+
+    A layer frozen (or unfrozen) between steps changes which gradients the
+    step returns and which variables the update touches, but not the
+    functions' input signatures, so they would not retrace by themselves.
+    """
+    key = tuple(id(v) for v in self.trainable_variables)
+    if key != self._traced_for:
+      self._traced_for = key
+      self._compiled_step = None
+      self._apply_step = None
 
   def _ApplyGradients(self, gradients, used):
     """The optimizer's update, each variable's part on that variable's device.
@@ -370,10 +391,18 @@ def _BoundArguments(method, model, args, kwargs, defaults=True):
 
 
 def PlaceVariables(pipe):
-  """Re-creates each cell's variables on the cell's device, keeping values."""
+  """Re-creates each cell's variables on the cell's device, keeping values.
+
+  A variable of a layer shared by several cells stays with the first; the
+  others read it through copies (gpipe/tied_variables.py).
+  """
+  placed = set()
   for cell, device in zip(pipe.cells, pipe.cell_devices):
     wanted = tf.DeviceSpec.from_string(device)
     for v in cell.weights:
+      if id(v) in placed:
+        continue
+      placed.add(id(v))
       current = tf.DeviceSpec.from_string(v.value.device)
       if current.make_merged_spec(wanted) == current:
         continue  # Already on the stage's device.
@@ -463,9 +492,12 @@ def describe(pm):  # pylint: disable=invalid-name
           f'schedule={pipe.p.schedule!r}, remat_policy='
           f'{pipe.p.remat_policy!r}, cost={balance!r}']
   total = sum(pm.stage_costs) or 1.0
+  counted = set()
   for plan, cell, device, cost in zip(pm.stage_plans, pipe.cells,
                                       pipe.cell_devices, pm.stage_costs):
-    params = int(sum(np.prod(v.shape) for v in cell.trainable_variables))
+    own = [v for v in cell.trainable_variables if id(v) not in counted]
+    counted.update(id(v) for v in own)
+    params = int(sum(np.prod(v.shape) for v in own))
     names = [s.name for s in plan.steps]
     rows.append(
         f'stage {plan.index} on {device}: {len(names)} layer calls, '
@@ -476,4 +508,5 @@ def describe(pm):  # pylint: disable=invalid-name
       rows.append(f'            ({", ".join(names)})')
     rows.append(f'  receives: {", ".join(plan.input_keys)}')
     rows.append(f'  sends:    {", ".join(plan.output_keys)}')
+  rows.extend(pipe.TiedVariables().Describe(pipe.cell_devices, 'stage'))
   return '\n'.join(rows)

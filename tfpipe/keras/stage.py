@@ -91,7 +91,8 @@ class KerasStageLayer(base_layer.BaseLayer):
     # name; a shared layer's calls draw apart) and the same for any stages.
     with keras_exact.ExactCalls(op, f'{op.name}#{step.index}'):
       outputs = op(*args, **kwargs)
-    if getattr(op, '_losses', None):
+    # Own losses, also where a StatelessScope collects them (tied_variables).
+    if hasattr(op, '_get_own_losses') and op._get_own_losses():  # pylint: disable=protected-access
       raise ValueError(
           f'tfpipe.keras: layer {op.name!r} ({type(op).__name__}) called '
           'add_loss; the pipeline differentiates only the compiled loss, per '

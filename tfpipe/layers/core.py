@@ -74,7 +74,13 @@ def ChildSeed(random_seed, i):
 
 
 class FCLayer(base_layer.BaseLayer):
-  """Fully connected layer act(x @ w + b) applied to the last dim."""
+  """Fully connected layer act(x @ w + b) applied to the last dim.
+
+  With `tied_embedding`, w is the named EmbeddingLayer's table, transposed,
+  as a language model's softmax shares its input embedding: the layer owns
+  only its bias. A pipeline gives the table a copy on this layer's cell when
+  the two land in different cells (gpipe/tied_variables.py).
+  """
 
   @classmethod
   def Params(cls):
@@ -83,6 +89,10 @@ class FCLayer(base_layer.BaseLayer):
     p.Define('output_dims', 0, 'Size of the last dim of the output.')
     p.Define('activation', 'relu', 'Name of the activation (see ACTIVATIONS).')
     p.Define('has_bias', True, 'Whether to add a learned bias.')
+    p.Define('tied_embedding', None, 'Name of an EmbeddingLayer of the same '
+             'network whose [output_dims, input_dims] table, transposed, is '
+             'this layer\'s weight (tied input and output embeddings); None '
+             'gives the layer its own weight.')
     return p
 
   def __init__(self, params):
@@ -90,19 +100,50 @@ class FCLayer(base_layer.BaseLayer):
     p = self.p
     self.CheckPositive('input_dims', 'output_dims')
     self._act = Activation(p.activation)
-    self.w = self.CreateVariable('w', (p.input_dims, p.output_dims))
+    # A function, not an attribute Keras would track as this layer's own.
+    self._tied_table = None
+    self.w = (None if p.tied_embedding else
+              self.CreateVariable('w', (p.input_dims, p.output_dims)))
     self.b = (self.CreateVariable('b', (p.output_dims,), 'zeros')
               if p.has_bias else None)
 
+  @property
+  def is_bound(self):
+    """False while a tied layer has not been given its embedding table."""
+    return not self.p.tied_embedding or self._tied_table is not None
+
+  def BindTiedEmbedding(self, layer):
+    """Makes `layer`'s table (an EmbeddingLayer's `emb`) this layer's weight."""
+    p = self.p
+    table = getattr(layer, 'emb', None)
+    want = (p.output_dims, p.input_dims)
+    if table is None or tuple(table.shape) != want:
+      raise ValueError(
+          f'{p.name}: tied_embedding={p.tied_embedding!r} must name an '
+          f'EmbeddingLayer with a table of shape {want} (vocab_size='
+          f'output_dims, embedding_dim=input_dims). Received: layer '
+          f'{layer.name!r} ({type(layer).__name__}) with '
+          f'{None if table is None else tuple(table.shape)}')
+    self._tied_table = lambda: layer.emb
+
   def FProp(self, inputs):
+    p = self.p
+    if not self.is_bound:
+      raise ValueError(
+          f'{p.name}: tied_embedding={p.tied_embedding!r} names no layer of '
+          'the network; put the EmbeddingLayer of that name in the same '
+          'SequentialLayer or pipeline.')
+    weight = self.w if self._tied_table is None else self._tied_table()
+    transpose = self._tied_table is not None
     # A 2-D matmul, not einsum('...i,io->...o'): that einsum's weight gradient
     # materialises a [batch, in, out] tensor (1000x the activations' memory).
     if inputs.shape.rank == 2:
-      out = tf.matmul(inputs, self.w)
+      out = tf.matmul(inputs, weight, transpose_b=transpose)
     else:
-      flat = tf.reshape(inputs, [-1, self.p.input_dims])
-      out = tf.reshape(tf.matmul(flat, self.w), tf.concat(
-          [tf.shape(inputs)[:-1], [self.p.output_dims]], axis=0))
+      flat = tf.reshape(inputs, [-1, p.input_dims])
+      out = tf.reshape(tf.matmul(flat, weight, transpose_b=transpose),
+                       tf.concat([tf.shape(inputs)[:-1], [p.output_dims]],
+                                 axis=0))
     if self.b is not None:
       out += self.b
     return self._act(out)
@@ -117,9 +158,41 @@ class FCLayer(base_layer.BaseLayer):
     return base_layer.CostMeta(
         output_shape=out_shape,
         flops=flops,
-        num_params=p.input_dims * p.output_dims +
+        num_params=(0 if p.tied_embedding else p.input_dims * p.output_dims) +
         (p.output_dims if p.has_bias else 0),
         activation_bytes=OutputBytes(out_shape, p.dtype))
+
+
+def BindTiedEmbeddings(layers):
+  """Binds each tied FCLayer among `layers` (and their sublayers) to its table.
+
+  A tie whose embedding is not among them is left for an enclosing
+  container: a SequentialLayer inside a pipeline's cell leaves it to the
+  pipeline, which holds every cell.
+
+  Returns:
+    The tied FCLayers that are still unbound.
+  """
+  flat = [sub for layer in layers
+          for sub in layer._flatten_layers(include_self=True)]  # pylint: disable=protected-access
+  tables = {}
+  for sub in flat:
+    if getattr(sub, 'emb', None) is not None:
+      tables.setdefault(sub.name, []).append(sub)
+  unbound = []
+  for sub in flat:
+    if not isinstance(sub, FCLayer) or sub.is_bound:
+      continue
+    found = tables.get(sub.p.tied_embedding, [])
+    if len(found) > 1:
+      raise ValueError(
+          f'{sub.p.name}: tied_embedding={sub.p.tied_embedding!r} names '
+          f'{len(found)} layers; give the EmbeddingLayer a unique name.')
+    if found:
+      sub.BindTiedEmbedding(found[0])
+    else:
+      unbound.append(sub)
+  return unbound
 
 
 class DropoutLayer(base_layer.BaseLayer):
@@ -191,6 +264,7 @@ class SequentialLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     self.CreateChildren('sub', self.p.sub)
+    BindTiedEmbeddings(self.sub)
 
   def build(self, input_shape):
     shape = input_shape
