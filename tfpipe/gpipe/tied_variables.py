@@ -281,8 +281,10 @@ def Find(cells, devices, input_spec, describe_error):
       reads.append(scope.reads)
       # Every variable the trace read, the bare tf.Variables included.
       accessed.append(traced.graph.variables)
+      # A None leaf (an optional input a cell passes on) stays None.
       spec = tf.nest.map_structure(
-          lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
+          lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
+          traced.structured_outputs)
   keras_of = {id(placement.TfVariable(v)): v
               for cell in cells for v in cell.weights}
   ties = []
