@@ -33,8 +33,8 @@ EXPORTED_BEFORE = {
         'TextTimeline', 'cell', 'dispatch', 'microbatch', 'partition',
         'pipelining_layer', 'runtime', 'schedule', 'stage'],
     tfpipe_keras: [
-        'KerasStageLayer', 'ModelGraph', 'PipelinedModel', 'describe',
-        'pipeline', 'costs', 'graph', 'model', 'stage'],
+        'KerasCellLayer', 'ModelGraph', 'PipelinedModel', 'describe',
+        'pipeline', 'costs', 'graph', 'model', 'cell'],
     layers: [
         'ACTIVATIONS', 'Activation', 'AmoebaCell', 'BatchNormLayer',
         'ClassifierHead', 'Conv2DLayer', 'DecoderLogits', 'DropoutLayer',

@@ -314,7 +314,7 @@ class DeferredStatsCollector:
     """Records one micro-batch's statistics; `device` is where they were made.
 
     The merge and the update run on the device of the layer's first record
-    (its stage's device), next to the layer's variables, rather than
+    (its cell's device), next to the layer's variables, rather than
     wherever the caller happens to be.
     """
     key = id(layer)

@@ -7,7 +7,7 @@ import pytest
 from tfpipe.keras import costs
 from tfpipe.keras import graph as graph_lib
 from tests.keras import model_test
-from tests.keras import stage_test
+from tests.keras import cell_test
 
 
 def test_params_count_each_layer_once():
@@ -30,12 +30,12 @@ def test_estimates_are_positive_and_grow_with_the_layer(balance):
 
 
 def test_time_profiles_every_step_and_leaves_batch_norm_stats_alone():
-  model = stage_test._ConvBn()
-  before = stage_test._Stats(model)
+  model = cell_test._ConvBn()
+  before = cell_test._Stats(model)
   got = costs.StepCosts(graph_lib.ModelGraph(model), 'time',
                         profile_batch_size=4)
   assert len(got) == 7 and all(t > 0 for t in got)
-  for name, (mean, var) in stage_test._Stats(model).items():
+  for name, (mean, var) in cell_test._Stats(model).items():
     np.testing.assert_array_equal(mean, before[name][0])
     np.testing.assert_array_equal(var, before[name][1])
 

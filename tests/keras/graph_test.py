@@ -1,4 +1,4 @@
-"""Ordering a Keras graph, carrying skips between stages, and refusing what
+"""Ordering a Keras graph, carrying skips between cells, and refusing what
 the pipeline cannot run exactly."""
 
 import keras
@@ -31,7 +31,7 @@ def test_skip_is_carried_to_its_consumer_and_no_further():
   out = keras.layers.Dense(2, name='out')(keras.layers.Dense(
       4, name='after')(skip))
   graph = graph_lib.ModelGraph(keras.Model(i, out))
-  plans = graph_lib.PlanStages(graph, [1, 2, 2, 3])
+  plans = graph_lib.PlanCells(graph, [1, 2, 2, 3])
   assert [p.input_keys for p in plans] == [
       ['input:x:0'], ['d0'], ['d0', 'd2'], ['d0', 'd4']]
   assert [p.output_keys for p in plans] == [
@@ -116,7 +116,7 @@ class _WithStatefulRnn(keras.layers.Layer):
 @pytest.mark.parametrize('remat_policy', ['always', 'except_last', 'never'])
 def test_random_layers_and_nested_batch_norm_are_accepted_under_remat(
     remat_policy):
-  """They run exactly in every policy (stage_test checks the values)."""
+  """They run exactly in every policy (cell_test checks the values)."""
   inner = keras.Sequential([keras.layers.Dense(3, name='inner_dense'),
                             keras.layers.BatchNormalization(name='inner_bn'),
                             keras.layers.Dropout(0.5, name='inner_drop')],
@@ -158,15 +158,15 @@ def _SharedVariableModel():
 
 @pytest.mark.parametrize('make', [_SharedLayerModel, _SharedVariableModel])
 def test_layer_or_variable_shared_across_stages_trains_like_plain(make):
-  """Stage 1 reads a copy; its gradient is added to the variable's
+  """Cell 1 reads a copy; its gradient is added to the variable's
   (gpipe/tied_variables.py). The variable is listed once."""
   model = make()
   pm = tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],
                              num_micro_batches=2, balance=[2, 2])
-  assert pm.stage_plans[1].steps[0].name in ('shared', 'reads_table')
+  assert pm.cell_plans[1].steps[0].name in ('shared', 'reads_table')
   assert [id(v) for v in pm.trainable_variables] == [
       id(v) for v in model.trainable_variables]
-  assert 'tied: shared/kernel (stage 0) is read by stage 1' in (
+  assert 'tied: shared/kernel (cell 0) is read by cell 1' in (
       tfpipe.keras.describe(pm))
   pm.compile(loss='mse')
   x, y = model_test._Data(model)
@@ -208,14 +208,14 @@ def test_too_few_layer_calls_names_the_nested_model_kept_whole():
       r"argument 'mask' holding tensors")):
     tfpipe.keras.pipeline(model, num_partitions=4, balance='params')
   with pytest.raises(ValueError, match=r'has 4 layer calls, too few to cut '
-                     r'into num_partitions=5 non-empty stages. Use '
+                     r'into num_partitions=5 non-empty cells. Use '
                      r'num_partitions <= 4.$'):
     tfpipe.keras.pipeline(model_test._Sequential(), num_partitions=5,
                           balance='params')
 
 
 def test_add_loss_at_run_time_is_refused():
-  """Seen when pipeline() traces the stages (to find what each reads)."""
+  """Seen when pipeline() traces the cells (to find what each reads)."""
   model = _Build(keras.layers.Dense(3), _AddsLoss(name='adds'))
   with pytest.raises(ValueError, match="'adds'.*add_loss"):
     tfpipe.keras.pipeline(model, num_partitions=2, devices=DEVICES[:2],

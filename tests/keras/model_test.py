@@ -150,7 +150,7 @@ _APPLICATIONS = [('MobileNetV2', {'alpha': 0.35}),
 def exact_float_order():
   """Grappler's arithmetic optimizer off while the test builds its functions.
 
-  The pipeline traces each stage; the plain reference runs eagerly. Grappler
+  The pipeline traces each cell; the plain reference runs eagerly. Grappler
   reorders float sums in traced code, and these tiny models (batch norm
   over 4 examples at 1x1 spatial size) amplify that rounding into
   percent-level gradient differences. With the reordering off, the two
@@ -171,7 +171,7 @@ def exact_float_order():
 def test_application_gradients(name, kwargs, k, m, exact_float_order):
   """keras.applications models, batch norm included, per micro-batch.
 
-  Called eagerly (run_eagerly=True): each stage is still traced once, and
+  Called eagerly (run_eagerly=True): each cell is still traced once, and
   fit's fully traced path is covered above.
   """
   del exact_float_order
@@ -321,7 +321,7 @@ def test_summary_and_describe_show_stages():
   pm = tfpipe.keras.pipeline(model, num_partitions=3, devices=DEVICES[:3],
                              balance=[3, 3, 3])
   text = tfpipe.keras.describe(pm)
-  assert 'stage 2 on /CPU:2' in text and 'params' in text
+  assert 'cell 2 on /CPU:2' in text and 'params' in text
   assert 'cost' in text
   lines = []
   pm.summary(print_fn=lines.append)

@@ -56,7 +56,7 @@ def _EncoderWithUnusedPooler():
 
 
 def _ClosureModel():
-  """Stage 3 reads stage 0's kernel in a Lambda (an untracked tie)."""
+  """Cell 3 reads cell 0's kernel in a Lambda (an untracked tie)."""
   keras.utils.set_random_seed(0)
   i = keras.Input((6,), name='x')
   d0 = keras.layers.Dense(8, name='d0')
@@ -186,14 +186,14 @@ def test_forward_gradients_and_fit_equal_the_plain_models(built, name):
 def test_what_is_cut_and_what_is_tied(built):
   """The nested backbones are cut; the tied weights are named."""
   for name in ('bert_classifier', 'unused_pooler'):
-    names = [s.name for plan in built(name)[1].stage_plans
+    names = [s.name for plan in built(name)[1].cell_plans
              for s in plan.steps]
     assert 'bert_backbone' not in names and 'transformer_layer_1' in names
   text = tfpipe.keras.describe(built('gpt2_causal_lm')[1])
-  assert ('tied: token_embedding/embeddings (stage 0) is read by stage 3 '
+  assert ('tied: token_embedding/embeddings (cell 0) is read by cell 3 '
           'through its copy on /CPU:3') in text
   text = tfpipe.keras.describe(built('closure')[1])
-  assert 'tied: d0/kernel (stage 0) is read by stage 3' in text
+  assert 'tied: d0/kernel (cell 0) is read by cell 3' in text
 
 
 def test_gradients_of_a_model_with_a_variable_no_loss_reaches(built):
@@ -239,7 +239,7 @@ _FROZEN = ('transformer_layer_0', 'token_embedding')
 
 
 def _Freeze(model, trainable=False):
-  """Freezes a block and the tied embedding (read in stages 0 and 3)."""
+  """Freezes a block and the tied embedding (read in cells 0 and 3)."""
   backbone = _Backbone(model, 'gpt2_backbone')
   for layer in _FROZEN:
     backbone.get_layer(layer).trainable = trainable

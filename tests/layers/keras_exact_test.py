@@ -12,7 +12,7 @@ and through tfpipe.keras.pipeline, for the property its kind promises:
                    it is split (so they do not depend on M).
   per micro-batch  a recompute repeats the values; another step draws others.
   statistics       one merged update of the moving statistics per step
-                   (keras_layer_test and stage_test check the values).
+                   (keras_layer_test and cell_test check the values).
   read only        the step's output is the plain layer's, and nothing is
                    assigned.
   refused          a ValueError naming the layer and what to use instead.
@@ -296,7 +296,7 @@ def _Wrapped(case, name='wrapped'):
 
 
 def _Piped(case):
-  """A K=1 pipeline of Input -> the layer; returns its stage's forward."""
+  """A K=1 pipeline of Input -> the layer; returns its cell's forward."""
   cls, args = case.make()
   layer = cls(**args)
   if cls is L.Normalization:
@@ -307,8 +307,8 @@ def _Piped(case):
       [inputs, inputs]), 'pair': lambda: layer(inputs, inputs)}[case.call]()
   pm = tfpipe.keras.pipeline(keras.Model(inputs, outputs), num_partitions=1,
                              devices=['/CPU:0'], balance='params')
-  stage = pm.pipe.cells[0]
-  return lambda x: stage(pm._Feed(x), training=True)  # pylint: disable=protected-access
+  cell = pm.pipe.cells[0]
+  return lambda x: cell(pm._Feed(x), training=True)  # pylint: disable=protected-access
 
 
 def _Runners(case):

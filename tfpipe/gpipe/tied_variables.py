@@ -5,7 +5,7 @@ A language model's output projection often reuses its input embedding
 `layers.FCLayer` has `tied_embedding`), and a Keras `Lambda` may read another
 layer's kernel in a closure. Cut into cells, the variable lives on its
 owner's device (the first cell whose layers hold it), yet a later cell reads
-it too. A stage differentiates only its own cell's variables, so that
+it too. A cell differentiates only its own variables, so that
 second use's gradient would be lost.
 
 Megatron-LM ties the first and last stages' embeddings this way, and so does
@@ -211,9 +211,9 @@ class TiedVariables:
         result[i] = g if result[i] is None else accumulators.Dense(result[i]) + g
     return result
 
-  def Describe(self, devices, unit='cell'):
-    """One line per tie, e.g. for tfpipe.keras.describe (unit='stage')."""
-    return [f'tied: {_Name(t.variable)} ({unit} {t.owner}) is read by {unit} '
+  def Describe(self, devices):
+    """One line per tie, for tfpipe.keras.describe."""
+    return [f'tied: {_Name(t.variable)} (cell {t.owner}) is read by cell '
             f'{t.reader} through its copy on {devices[t.reader]}'
             for t in self.ties]
 
@@ -308,7 +308,7 @@ def Find(cells, devices, input_spec, describe_error):
 
 @contextlib.contextmanager
 def _AsARecompute():
-  """As a stage recomputes a cell: seeded, nothing recorded or updated."""
+  """As the runtime recomputes a cell: seeded, nothing recorded or updated."""
   with base_layer.StepSeed(tf.zeros([2], tf.int64), tf.zeros([], tf.int64)), (
       base_layer.CollectDeferredStats(base_layer.DeferredStatsCollector())):
     yield

@@ -1,6 +1,6 @@
 """tfpipe.keras: pipeline an existing Sequential or functional Keras model.
 
-`pipeline(model, ...)` cuts the model's layer graph into balanced stages and
+`pipeline(model, ...)` cuts the model's layer graph into balanced cells and
 runs them on tfpipe's GPipe engine, returning a keras.Model that shares the
 original model's layers and variables. See model.py for the design.
 """
@@ -12,5 +12,5 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
     'costs': [],
     'graph': ['ModelGraph'],
     'model': ['describe', 'pipeline', 'PipelinedModel'],
-    'stage': ['KerasStageLayer'],
+    'cell': ['KerasCellLayer'],
 })

@@ -1,7 +1,7 @@
-"""What each step of a Keras graph costs, for balancing the pipeline's stages.
+"""What each step of a Keras graph costs, for balancing the pipeline's cells.
 
-The slowest stage sets the pace of the whole pipeline, so the partition
-minimises the largest stage cost (`gpipe.BlockPartition`). The cost of a step
+The slowest cell sets the pace of the whole pipeline, so the partition
+minimises the largest cell cost (`gpipe.BlockPartition`). The cost of a step
 (one layer call) is, by `balance`:
 
   'time'    measured forward+backward seconds of the call, eagerly, on random
@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import base_layer
-from tfpipe.keras import stage as stage_lib
+from tfpipe.keras import cell as cell_lib
 
 BALANCE_METHODS = ('time', 'flops', 'params', 'memory')
 
@@ -69,7 +69,7 @@ def StepCosts(graph, balance, profile_batch_size=8, device=None):
   raise ValueError(
       f'tfpipe.keras.pipeline: unknown balance {balance!r}; expected one of '
       f'{list(BALANCE_METHODS)} or a list of the number of layer calls per '
-      f'stage. Received: balance={balance!r}')
+      f'cell. Received: balance={balance!r}')
 
 
 def _RandomInput(keras_tensor, batch_size, seed):
@@ -94,7 +94,7 @@ def ProfileStepTimes(graph, batch_size=8, device=None, repeats=3):
   Batch norm statistics go to a discarding collector and dropout is seeded
   statelessly, so profiling leaves the model's state as it was.
   """
-  stage = stage_lib.KerasStageLayer.Params().Set(
+  cell = cell_lib.KerasCellLayer.Params().Set(
       name='profile', steps=graph.steps).Instantiate()
   values = {}
   device = device or _DefaultDevice()
@@ -112,7 +112,7 @@ def ProfileStepTimes(graph, batch_size=8, device=None, repeats=3):
         start = time.perf_counter()
         with tf.GradientTape() as tape:
           tape.watch(float_inputs)
-          outputs = stage._RunStep(step, values, training=True)  # pylint: disable=protected-access
+          outputs = cell._RunStep(step, values, training=True)  # pylint: disable=protected-access
           flat = [o for o in tf.nest.flatten(outputs)
                   if o.dtype.is_floating]
           total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))

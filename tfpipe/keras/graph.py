@@ -7,10 +7,10 @@ order; walking it from the deepest node gives the steps. Nested functional
 and Sequential models are expanded in place, so their layers can be cut and
 their batch norms handled like any other.
 
-Every tensor gets a string key. Cutting the steps into K contiguous stages
-then decides what crosses each boundary: stage k receives exactly the keys
+Every tensor gets a string key. Cutting the steps into K contiguous cells
+then decides what crosses each boundary: cell k receives exactly the keys
 produced before it and still consumed at or after it, so a skip connection
-from stage 0 to stage 3 is carried through stages 1 and 2 and dropped after
+from cell 0 to cell 3 is carried through cells 1 and 2 and dropped after
 its last consumer; nothing has to be marked by the user.
 """
 
@@ -189,7 +189,7 @@ def TooFewStepsError(graph, num_partitions):
   n = len(graph.steps)
   text = (f'tfpipe.keras.pipeline: model {graph.model.name!r} has {n} layer '
           f'calls, too few to cut into num_partitions={num_partitions} '
-          'non-empty stages')
+          'non-empty cells')
   whole = [(s.operation, graph.unexpanded[id(s.operation)])
            for s in graph.steps if id(s.operation) in graph.unexpanded]
   if not whole:
@@ -234,19 +234,19 @@ def _CheckLayer(layer, op, nested):
   if getattr(layer, 'activity_regularizer', None) is not None:
     raise ValueError(
         f'tfpipe.keras: {where} has an activity_regularizer, which adds a '
-        'loss with add_loss inside the stage; the pipeline only '
+        'loss with add_loss inside the cell; the pipeline only '
         'differentiates the compiled loss. Remove it and add the penalty to '
         'the loss instead.')
   if getattr(layer, 'mask_zero', False) or isinstance(
       layer, keras.layers.Masking):
     raise ValueError(
         f'tfpipe.keras: {where} produces a Keras mask, which does not cross '
-        'pipeline stages. Pass the mask explicitly as a model input or '
+        'pipeline cells. Pass the mask explicitly as a model input or '
         'tensor instead (e.g. mask_zero=False).')
 
 
-class StagePlan:
-  """Steps of one stage and the keys it receives and sends on."""
+class CellPlan:
+  """Steps of one cell and the keys it receives and sends on."""
 
   def __init__(self, index, steps, input_keys, output_keys):
     self.index = index
@@ -255,13 +255,13 @@ class StagePlan:
     self.output_keys = output_keys
 
 
-def PlanStages(graph, counts):
-  """Cuts graph.steps into stages of `counts` steps each.
+def PlanCells(graph, counts):
+  """Cuts graph.steps into cells of `counts` steps each.
 
-  Returns a list of StagePlan; the last stage's output_keys are the model's
+  Returns a list of CellPlan; the last cell's output_keys are the model's
   outputs in order, the others' the sorted keys still needed later. A layer
-  called in two stages (a shared layer) and a variable read in two are
-  allowed: the pipeline gives later stages a copy (gpipe/tied_variables.py).
+  called in two cells (a shared layer) and a variable read in two are
+  allowed: the pipeline gives later cells a copy (gpipe/tied_variables.py).
   """
   liveness = graph.Liveness()
   plans = []
@@ -276,6 +276,6 @@ def PlanStages(graph, counts):
     else:
       output_keys = sorted(key for key, (p, last) in liveness.items()
                            if p < end <= last)
-    plans.append(StagePlan(k, steps, input_keys, output_keys))
+    plans.append(CellPlan(k, steps, input_keys, output_keys))
     start = end
   return plans

@@ -4,21 +4,21 @@
     pm.compile(optimizer='adam', loss='sparse_categorical_crossentropy')
     pm.fit(dataset, epochs=3)
 
-The functional graph is ordered and cut into stages (graph.py), each stage
-becomes a `KerasStageLayer` cell holding references to the model's own layers
-(stage.py), and the cells go to the same `gpipe.PipeliningLayer` as any
+The functional graph is ordered and cut into cells (graph.py), each cell
+becomes a `KerasCellLayer` cell holding references to the model's own layers
+(cell.py), and the cells go to the same `gpipe.PipeliningLayer` as any
 tfpipe model: micro-batching, schedules, re-materialization and deferred
 batch norm are the engine's, not a second implementation.
 
 `PipelinedModel` is a `keras.Model`, so compile/fit/evaluate/predict,
 callbacks and checkpoints work. Its `train_step` runs one pipelined
 forward+backward (`ComputeLossAndGradients`) with the compiled loss applied
-per micro-batch on the last stage, and applies one optimizer update per
+per micro-batch on the last cell, and applies one optimizer update per
 mini-batch. Its variables are the original model's (same objects, same
 order), so whatever is trained through `pm` is in `model`, and weight files
 written by `pm.save_weights` are the plain model's. A variable that several
-stages read (a shared layer, tied embeddings, a closure) stays with its
-first stage; the others read copies (gpipe/tied_variables.py).
+cells read (a shared layer, tied embeddings, a closure) stays with its
+first cell; the others read copies (gpipe/tied_variables.py).
 """
 
 import inspect
@@ -33,7 +33,7 @@ from tfpipe.gpipe import pipelining_layer
 from tfpipe.keras import batch_check
 from tfpipe.keras import costs as costs_lib
 from tfpipe.keras import graph as graph_lib
-from tfpipe.keras import stage as stage_lib
+from tfpipe.keras import cell as cell_lib
 
 _MEAN_REDUCTIONS = ('sum_over_batch_size', 'mean', 'mean_with_sample_weight')
 
@@ -45,25 +45,25 @@ def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pyli
 
   Args:
     model: a built `keras.Sequential` or functional `keras.Model`.
-    num_partitions: K, the number of stages (one device each).
+    num_partitions: K, the number of cells (one device each).
     num_micro_batches: M, micro-batches per mini-batch.
-    devices: one device per stage; None uses all GPUs, else all CPU devices.
+    devices: one device per cell; None uses all GPUs, else all CPU devices.
     balance: 'time', 'flops', 'params', 'memory', or a list of K numbers of
-      layer calls per stage (in the order `describe` prints).
+      layer calls per cell (in the order `describe` prints).
     remat_policy: 'always', 'except_last' or 'never'.
     schedule: 'gpipe', '1f1b', 'interleaved_1f1b' (with fewer devices than
       partitions, placed round-robin) or 'zb_h1'.
     profile_batch_size: examples per profiled call for balance='time' (and
       the batch size the 'flops'/'memory' estimates assume).
-    place_variables: move each stage's existing variables onto the stage's
+    place_variables: move each cell's existing variables onto the cell's
       device (their values are kept). Keras creates variables where the model
       is built (GPU:0 on a GPU machine); the default puts them, and so their
-      gradients and optimizer slots, where the stage runs. False leaves them
+      gradients and optimizer slots, where the cell runs. False leaves them
       where they are.
     executor: 'graph' (train_step is traced as usual), 'threads' (one
-      thread per device, so stages overlap on CPU; `compile` then sets
+      thread per device, so cells overlap on CPU; `compile` then sets
       run_eagerly=True, since the pipeline dispatches its own traced
-      functions) or 'auto', which is 'graph' here: Keras stages have no
+      functions) or 'auto', which is 'graph' here: Keras cells have no
       cost model to tell whether their actions are long enough for threads.
 
   Returns:
@@ -84,7 +84,7 @@ def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pyli
       raise ValueError(
           f'tfpipe.keras.pipeline: an explicit balance lists the number of '
           f'layer calls of each of the num_partitions={num_partitions} '
-          f'stages: positive numbers summing to {n}, the calls of model '
+          f'cells: positive numbers summing to {n}, the calls of model '
           f'{model.name!r}. Received: balance={list(balance)}')
     step_costs = costs_lib.StepCosts(graph, 'params')
   else:
@@ -92,7 +92,7 @@ def pipeline(model, num_partitions=4, num_micro_batches=8, devices=None,  # pyli
       raise graph_lib.TooFewStepsError(graph, num_partitions)
     step_costs = costs_lib.StepCosts(graph, balance, profile_batch_size)
     counts = partition.BlockPartition(step_costs, num_partitions)
-  plans = graph_lib.PlanStages(graph, counts)
+  plans = graph_lib.PlanCells(graph, counts)
   return PipelinedModel(model, graph, plans, step_costs, balance,
                         num_micro_batches=num_micro_batches, devices=devices,
                         remat_policy=remat_policy, schedule=schedule,
@@ -111,16 +111,16 @@ class PipelinedModel(keras.Model):
     self._graph = graph
     self._plans = plans
     self._balance = balance
-    self._stage_costs = [
+    self._cell_costs = [
         sum(step_costs[s.index] for s in plan.steps) for plan in plans]
     cells = []
     for plan in plans:
       last = plan.index == len(plans) - 1
-      cells.append(stage_lib.KerasStageLayer.Params().Set(
-          name=f'stage{plan.index}', steps=plan.steps,
+      cells.append(cell_lib.KerasCellLayer.Params().Set(
+          name=f'cell{plan.index}', steps=plan.steps,
           input_keys=plan.input_keys, output_keys=plan.output_keys,
           outputs_struct=graph.outputs_struct if last else None,
-          stage_index=plan.index))
+          cell_index=plan.index))
     self.pipe = pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches,
         devices=devices, remat_policy=remat_policy, schedule=schedule,
@@ -129,13 +129,13 @@ class PipelinedModel(keras.Model):
     self._apply_step = None
     # The trainable variables the two functions above were traced for.
     self._traced_for = None
-    # executor='threads' traces the last stage once per loss_fn object, so
+    # executor='threads' traces the last cell once per loss_fn object, so
     # the loss_fn for each batch size is kept.
     self._loss_fns = {}
     if place_variables:
       PlaceVariables(self.pipe)
     # Found now, from the model's input specs: describe() shows the ties, and
-    # a stage that cannot run fails here rather than in the first step.
+    # a cell that cannot run fails here rather than in the first step.
     self.pipe.TiedVariables({
         key: tf.TensorSpec(t.shape, t.dtype)
         for key, t in zip(graph.input_keys, graph.function.inputs)})
@@ -143,12 +143,12 @@ class PipelinedModel(keras.Model):
     self.built = True
 
   @property
-  def stage_plans(self):
+  def cell_plans(self):
     return list(self._plans)
 
   @property
-  def stage_costs(self):
-    return list(self._stage_costs)
+  def cell_costs(self):
+    return list(self._cell_costs)
 
   def _Feed(self, inputs):
     inputs = keras.tree.map_structure(tf.convert_to_tensor, inputs)
@@ -224,7 +224,7 @@ class PipelinedModel(keras.Model):
 
     An optimizer that is already built (`load_model`'s, whose slots hold the
     saved state) was built for the variables before they were placed on the
-    stages; this model gets a copy of it, built here, holding the same
+    cells; this model gets a copy of it, built here, holding the same
     state.
     """
     arguments = _BoundArguments(keras.Model.compile, self, args, kwargs,
@@ -255,7 +255,7 @@ class PipelinedModel(keras.Model):
   def _PipelineStep(self, feed, targets, training):
     batch_size = tf.shape(keras.tree.flatten(feed)[0])[0]
     if tf.executing_eagerly():
-      # Called eagerly, the stages trace once per loss_fn object: keep one
+      # Called eagerly, the cells trace once per loss_fn object: keep one
       # per batch size rather than a new closure per step.
       size = int(batch_size)
       if size not in self._loss_fns:
@@ -274,7 +274,7 @@ class PipelinedModel(keras.Model):
     used = tuple(i for i, g in enumerate(grads) if g is not None)
     if tf.executing_eagerly():
       # Eager ops without a device run on the default device (GPU:0); the
-      # traced update places each variable's work on its stage's device.
+      # traced update places each variable's work on its cell's device.
       self._ForgetStaleTraces()
       if self._apply_step is None:
         self._apply_step = tf.function(self._ApplyGradients, autograph=False)
@@ -362,7 +362,7 @@ class PipelinedModel(keras.Model):
     return model.save(filepath, overwrite=overwrite, **kwargs)
 
   def summary(self, print_fn=None, **kwargs):
-    """Prints each stage: layers, device, parameter count, estimated cost."""
+    """Prints each cell: layers, device, parameter count, estimated cost."""
     del kwargs
     (print_fn or print)(describe(self))
 
@@ -405,7 +405,7 @@ def PlaceVariables(pipe):
       placed.add(id(v))
       current = tf.DeviceSpec.from_string(v.value.device)
       if current.make_merged_spec(wanted) == current:
-        continue  # Already on the stage's device.
+        continue  # Already on the cell's device.
       with tf.device(device):
         v._value = tf.Variable(  # pylint: disable=protected-access
             tf.identity(v.value), dtype=v.value.dtype, trainable=v.trainable,
@@ -481,26 +481,26 @@ def _CompileLossPerMicroBatch(compile_loss, y, y_pred, sample_weight,
 
 
 def describe(pm):  # pylint: disable=invalid-name
-  """A table of the stages of a PipelinedModel: layers, device, params, cost."""
+  """A table of the cells of a PipelinedModel: layers, device, params, cost."""
   if not isinstance(pm, PipelinedModel):
     raise ValueError('tfpipe.keras.describe expects the model returned by '
                      f'tfpipe.keras.pipeline. Received: {type(pm).__name__}')
   pipe = pm.pipe
   balance = pm._balance if isinstance(pm._balance, str) else 'explicit/params'  # pylint: disable=protected-access
   rows = [f'Pipelined model {pm.source_model.name!r}: {pipe.num_cells} '
-          f'stages, num_micro_batches={pipe.p.num_micro_batches}, '
+          f'cells, num_micro_batches={pipe.p.num_micro_batches}, '
           f'schedule={pipe.p.schedule!r}, remat_policy='
           f'{pipe.p.remat_policy!r}, cost={balance!r}']
-  total = sum(pm.stage_costs) or 1.0
+  total = sum(pm.cell_costs) or 1.0
   counted = set()
-  for plan, cell, device, cost in zip(pm.stage_plans, pipe.cells,
-                                      pipe.cell_devices, pm.stage_costs):
+  for plan, cell, device, cost in zip(pm.cell_plans, pipe.cells,
+                                      pipe.cell_devices, pm.cell_costs):
     own = [v for v in cell.trainable_variables if id(v) not in counted]
     counted.update(id(v) for v in own)
     params = int(sum(np.prod(v.shape) for v in own))
     names = [s.name for s in plan.steps]
     rows.append(
-        f'stage {plan.index} on {device}: {len(names)} layer calls, '
+        f'cell {plan.index} on {device}: {len(names)} layer calls, '
         f'{params:,} params, cost {cost:.4g} ({100.0 * cost / total:.1f}%)')
     rows.append(f'  layers:   {names[0]} .. {names[-1]}' if len(names) > 6
                 else f'  layers:   {", ".join(names)}')
@@ -508,5 +508,5 @@ def describe(pm):  # pylint: disable=invalid-name
       rows.append(f'            ({", ".join(names)})')
     rows.append(f'  receives: {", ".join(plan.input_keys)}')
     rows.append(f'  sends:    {", ".join(plan.output_keys)}')
-  rows.extend(pipe.TiedVariables().Describe(pipe.cell_devices, 'stage'))
+  rows.extend(pipe.TiedVariables().Describe(pipe.cell_devices))
   return '\n'.join(rows)

@@ -1,15 +1,15 @@
-"""KerasStageLayer: a pipeline cell that runs a slice of a Keras model's graph.
+"""KerasCellLayer: a pipeline cell that runs a slice of a Keras model's graph.
 
 The cell owns nothing: its params hold references to the original Keras
 layers (through the graph's steps), so the pipeline trains the user's own
 variables. It takes a dict of named tensors and returns the dict the next
-stage needs (the last stage returns the model's outputs), which is the nested
+cell needs (the last cell returns the model's outputs), which is the nested
 structure the executor already micro-batches, re-materializes and places.
 
 Keras layers that keep state or draw random numbers, which a micro-batched,
 recomputed forward would corrupt, run through `layers.keras_exact`, the
 same code as `layers.KerasLayer` uses, with the layer's name and position in
-the model's graph as its seed path (the same whatever the stages):
+the model's graph as its seed path (the same whatever the cells):
 
 * BatchNormalization in training normalises each micro-batch with its own
   statistics (as the plain model would on that micro-batch). Its moving
@@ -32,26 +32,26 @@ from tfpipe import base_layer
 from tfpipe.layers import keras_exact
 
 
-class KerasStageLayer(base_layer.BaseLayer):
+class KerasCellLayer(base_layer.BaseLayer):
   """Runs a contiguous slice of a Keras graph's steps (see graph.py)."""
 
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('steps', [], 'graph.Step objects of this stage, in order; they '
+    p.Define('steps', [], 'graph.Step objects of this cell, in order; they '
              'reference the original Keras layers (shared, never copied).')
-    p.Define('input_keys', [], 'Keys of the dict this stage receives.')
-    p.Define('output_keys', [], 'Keys of the tensors this stage sends on.')
-    p.Define('outputs_struct', None, 'For the last stage: the model\'s output '
+    p.Define('input_keys', [], 'Keys of the dict this cell receives.')
+    p.Define('output_keys', [], 'Keys of the tensors this cell sends on.')
+    p.Define('outputs_struct', None, 'For the last cell: the model\'s output '
              'structure, to return the outputs in it; None returns a dict.')
-    p.Define('stage_index', 0, 'Position of the stage, for messages.')
+    p.Define('cell_index', 0, 'Position of the cell, for messages.')
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.p
     if not p.steps:
-      raise ValueError(f'{p.name}: steps is empty; every stage needs at least '
+      raise ValueError(f'{p.name}: steps is empty; every cell needs at least '
                        'one layer. Use fewer partitions.')
     ops, seen = [], set()
     for step in p.steps:
@@ -59,7 +59,7 @@ class KerasStageLayer(base_layer.BaseLayer):
         seen.add(id(step.operation))
         ops.append(step.operation)
     # Tracked by Keras, so the cell's variables are the layers' own variables.
-    self.stage_layers = [op for op in ops
+    self.cell_layers = [op for op in ops
                          if isinstance(op, keras.layers.Layer)]
     self.built = True
 
@@ -71,8 +71,8 @@ class KerasStageLayer(base_layer.BaseLayer):
     values = dict(inputs)
     missing = [k for k in p.input_keys if k not in values]
     if missing:
-      raise ValueError(f'{p.name}: stage {p.stage_index} expects tensors '
-                       f'{missing}, which the previous stage did not send.')
+      raise ValueError(f'{p.name}: cell {p.cell_index} expects tensors '
+                       f'{missing}, which the previous cell did not send.')
     for step in p.steps:
       outputs = self._RunStep(step, values, training)
       for key, value in zip(step.output_keys, tf.nest.flatten(outputs)):
@@ -88,7 +88,7 @@ class KerasStageLayer(base_layer.BaseLayer):
     if training is not None and getattr(op, '_call_has_training_arg', False):
       kwargs['training'] = training
     # The step's index makes the seed path unique (nested models may reuse a
-    # name; a shared layer's calls draw apart) and the same for any stages.
+    # name; a shared layer's calls draw apart) and the same for any cells.
     with keras_exact.ExactCalls(op, f'{op.name}#{step.index}'):
       outputs = op(*args, **kwargs)
     # Own losses, also where a StatelessScope collects them (tied_variables).
@@ -96,7 +96,7 @@ class KerasStageLayer(base_layer.BaseLayer):
       raise ValueError(
           f'tfpipe.keras: layer {op.name!r} ({type(op).__name__}) called '
           'add_loss; the pipeline differentiates only the compiled loss, per '
-          'micro-batch on the last stage. Return the extra loss as a model '
+          'micro-batch on the last cell. Return the extra loss as a model '
           'output with its own compiled loss instead.')
     return outputs
 

@@ -1,4 +1,4 @@
-"""KerasStageLayer: batch norm per micro-batch with deferred statistics, and
+"""KerasCellLayer: batch norm per micro-batch with deferred statistics, and
 dropout that a re-materialized forward reproduces."""
 
 import keras
@@ -47,7 +47,7 @@ def _Stats(model):
 def test_batch_norm_uses_each_micro_batchs_statistics():
   model = _ConvBn()
   pm = _Pipeline(model)
-  assert pm.stage_plans[1].steps[0].name == 'c2'
+  assert pm.cell_plans[1].steps[0].name == 'c2'
   x, y = _Data()
   model_test._AssertGradientsEqual(pm, model, x, y, model_test._Mse, 4)
 
@@ -83,7 +83,7 @@ def _AssertStats(model, expected):
 
 
 def test_moving_statistics_get_one_merged_update_per_step():
-  """Remat recomputes both stages; the moving averages still move once, by
+  """Remat recomputes both cells; the moving averages still move once, by
   the statistics of the whole batch as the micro-batches saw it."""
   piped, reference = _ConvBn(seed=1), _ConvBn(seed=1)
   x, y = _Data(seed=1)
@@ -106,11 +106,11 @@ def test_fit_then_inference_uses_the_merged_statistics():
 def test_outside_a_step_batch_norm_updates_at_once():
   model = _ConvBn(seed=3)
   pm = _Pipeline(model)
-  stage = pm.pipe.cells[0]
+  cell = pm.pipe.cells[0]
   x, _ = _Data(seed=3)
   before = _Stats(model)['bn1']
-  key = stage.p.input_keys[0]
-  stage({key: tf.constant(x)}, training=True)
+  key = cell.p.input_keys[0]
+  cell({key: tf.constant(x)}, training=True)
   assert not np.allclose(_Stats(model)['bn1'][0], before[0])
 
 
