@@ -181,7 +181,7 @@ def test_recorded_times_inside_tf_function():
   times = Step(x, y)
   tl = timeline.FromActionTimes(pipe.Schedule(3), times)
   assert len(tl.start_times) == 12
-  assert not tl.OrderViolations(tolerance=1e-4)
+  _AssertStartsAfterInputs(tl)
 
 
 @pytest.mark.parametrize('executor', ['graph', 'threads'])
@@ -226,3 +226,53 @@ def test_auto_executor_by_device_kind_and_action_size():
   assert choose(['/CPU:0', '/CPU:1'], big / 100) == 'graph'
   assert choose(['/CPU:0', '/CPU:1'], None) == 'graph'
   assert choose(['/CPU:0', '/CPU:0'], big) == 'graph'
+
+
+def test_recorded_times_do_not_order_devices_after_each_other():
+  """A device's timestamps wait only for its own actions and their inputs.
+
+  A bare tf.timestamp() in a tf.function is chained after every other one by
+  the automatic control dependencies, across devices, which serialized the
+  devices of a recorded step (and made its measured bubble an artifact).
+  """
+  pipe = _Pipeline(_LayerParams(4), 2, 4, executor='graph')
+  x, y = _Data()
+
+  @tf.function
+  def Step(x, y):
+    return pipe.ComputeLossAndGradients(x, y, _Loss,
+                                        record_times=True).action_times
+  graph = Step.get_concrete_function(x, y).graph
+
+  def IsStamp(op):
+    if op.type not in ('StatefulPartitionedCall', 'PartitionedCall'):
+      return False
+    return '_Stamp' in op.get_attr('f').name
+  stamps = [op for op in graph.get_operations() if IsStamp(op)]
+  assert len(stamps) == 2 * 2 * 2 * 4  # (start, end) x F, B x K x M.
+  stamp_names = {op.name for op in stamps}
+  devices = {tf.DeviceSpec.from_string(op.device).device_index
+             for op in stamps}
+  assert devices == {0, 1}
+  for op in stamps:
+    for dep in op.control_inputs:
+      if dep.name in stamp_names:
+        assert dep.device == op.device, (op.name, dep.name)
+  _AssertStartsAfterInputs(
+      timeline.FromActionTimes(pipe.Schedule(4), Step(x, y)))
+
+
+def _AssertStartsAfterInputs(tl):
+  """Each device runs its actions one after another, in the schedule's order.
+
+  Across devices an action waits for its input, not for the timestamp that
+  ends the action producing it: both stamps wait for the same tensor (in
+  either order), and a backward hands on its input gradient before it has
+  added its weight gradients.
+  """
+  device_of = tl.schedule.device_of_cell
+  for action, prerequisite, _ in tl.OrderViolations(tolerance=1e-4):
+    assert device_of[action.cell] != device_of[prerequisite.cell], (
+        action, prerequisite)
+    assert action.micro_batch == prerequisite.micro_batch, (action,
+                                                             prerequisite)

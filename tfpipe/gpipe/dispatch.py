@@ -37,6 +37,7 @@ import threading
 import time
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 
 def OrderAfter(previous):
@@ -48,10 +49,46 @@ def OrderAfter(previous):
   return tf.control_dependencies(deps) if deps else contextlib.nullcontext()
 
 
-def Timestamp(after, device):
-  """A tf.timestamp() that runs after `after` on `device`."""
+def _Stamp(unused_clock):
+  return tf.timestamp()
+
+
+# The clock argument is never read: it only makes the call an op with a
+# (read-only) resource input. A bare tf.timestamp() is a stateful op with no
+# resource input, and tf.function's automatic control dependencies chain all
+# such ops in program order, across devices, so the stamps of different
+# devices would wait for each other and serialize the very actions they time.
+# Reads of one resource are not ordered among themselves.
+_STAMP = tf.function(_Stamp, autograph=False)
+
+
+class _Clocks:
+  """One unused scalar variable per device, the read-only resource input of
+  that device's stamps (see _STAMP)."""
+
+  def __init__(self):
+    self._variables = {}
+
+  def On(self, device):
+    if device not in self._variables:
+      # Made directly, out of the trace: a tf.Variable is refused in a
+      # later trace of the caller's tf.function.
+      with tf.init_scope(), tf.device(device):
+        self._variables[device] = resource_variable_ops.ResourceVariable(
+            0, trainable=False, name='timeline_clock')
+    return self._variables[device]
+
+
+def Timestamp(after, device, clocks=None):
+  """A tf.timestamp() that runs after `after` on `device`.
+
+  In a graph, pass `clocks` (a _Clocks) so that the stamps of different
+  devices do not wait for each other.
+  """
   with tf.device(device), OrderAfter(after):
-    return tf.timestamp()
+    if clocks is None or tf.executing_eagerly():
+      return tf.timestamp()
+    return _STAMP(clocks.On(device))
 
 
 def _Tensors(structure):
@@ -158,14 +195,16 @@ class _Timer:
   def __init__(self):
     self.times = {}
     self._lock = threading.Lock()
+    self._clocks = _Clocks()
 
   def Run(self, item, device, args, previous, store, run):
     """Runs `run(store)` and times it; returns its done tokens."""
     if not tf.executing_eagerly():
-      start = Timestamp(list(previous or []) + _Tensors(args), device)
+      start = Timestamp(list(previous or []) + _Tensors(args), device,
+                        self._clocks)
       with tf.control_dependencies([start]):
         done = run(store)
-      end = Timestamp(list(done) + [start], device)
+      end = Timestamp(list(done) + [start], device, self._clocks)
       self.times[item] = (start, end)
       return [end]
     held = _HeldStore(store)
