@@ -89,7 +89,7 @@ flags.DEFINE_string('output_json', None, 'Where to write the results.')
 flags.DEFINE_string('worker_cluster', None, 'Worker: the cluster spec.')
 flags.DEFINE_integer('worker_task', None, 'Worker: task index.')
 
-_CHILDREN = local_cluster.ChildProcesses('pipeline_efficiency')
+CHILDREN = local_cluster.ChildProcesses('pipeline_efficiency')
 # Issue 23's bar: the largest M's speed-up over M=1 should reach this
 # fraction of the attainable one (ideal x the machine's ceiling).
 _TARGET_FRACTION = 0.85
@@ -105,12 +105,12 @@ def _RunWorker():
                 inter_op_threads=FLAGS.worker_inter_op_threads)
 
 
-def _StartWorkers(num):
+def StartWorkers(num):
   """K single-device worker processes plus this controller, on 127.0.0.1."""
   jobs = local_cluster.LocalClusterJobs(num)
-  atexit.register(_CHILDREN.Close)
+  atexit.register(CHILDREN.Close)
   local_cluster.StartWorkers(
-      _CHILDREN, jobs, lambda k: [
+      CHILDREN, jobs, lambda k: [
           sys.executable, '-m', 'benchmarks.pipeline_efficiency',
           f'--worker_cluster={cluster_spec.FormatClusterSpec(jobs)}',
           f'--worker_task={k}',
@@ -120,11 +120,11 @@ def _StartWorkers(num):
   return jobs
 
 
-def _Watchdog():
+def Watchdog():
   def Fire():
     print(f'watchdog: run exceeded {FLAGS.total_timeout_s}s; stopping.',
           flush=True)
-    _CHILDREN.Close()
+    CHILDREN.Close()
     os._exit(3)  # pylint: disable=protected-access
   t = threading.Timer(FLAGS.total_timeout_s, Fire)
   t.daemon = True
@@ -245,15 +245,15 @@ def main(argv):
     network_namespace.EnterLoopbackNamespace('benchmarks.pipeline_efficiency',
                                              sys.argv)
   quiet.ImportTensorFlow()  # Its C++ start-up log only with --verbosity=1.
-  watchdog = _Watchdog()
+  watchdog = Watchdog()
   try:
     if FLAGS.mode == 'threads':
       samples, tl = _MeasureThreads()
     else:
-      jobs = _StartWorkers(FLAGS.num_cells)
+      jobs = StartWorkers(FLAGS.num_cells)
       samples, tl = _MeasureGrpc(jobs, FLAGS.mode[len('grpc_'):])
   finally:
-    _CHILDREN.Close()
+    CHILDREN.Close()
     watchdog.cancel()
   # pylint: disable=g-import-not-at-top
   from benchmarks import bench_lib
