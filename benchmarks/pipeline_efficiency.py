@@ -14,21 +14,26 @@ share one thread pool. Two modes make them exclusive:
                      user gets on CPU.
   grpc_graph         executor='graph' with each stage in a single-threaded
                      `tf.distribute.Server` process on 127.0.0.1: the whole
-                     step is one graph. TF 2.21 runs such a graph's stages
-                     one after another, so this mode shows why the threads
-                     executor exists.
+                     step is one function over the workers, which TF's
+                     runtime partitions per worker; the workers run their
+                     parts at the same time and hand activations and
+                     gradients to each other by send/recv. This is what
+                     executor='auto' picks for remote devices.
   grpc_threads       the same workers with executor='threads': one
                      controller thread per worker issues its actions, each
-                     its own function call (what 'auto' picks for remote
-                     devices with large actions).
+                     its own remote function call.
 
 Reported: median step time per M, the speed-up over M=1 next to the ideal
 K*M/(M+K-1) and to GPipe Table 2 / torchgpipe. The threads mode also runs
 the same pipeline with every cell on ONE device thread, which splits the
 result in two: micro-batch efficiency (how much slower M small micro-batches
 are than one big one, with no pipelining at all) and pipelining speed-up at
-equal M (one device against K). One recorded step at the largest M gives the
-measured bubble.
+equal M (one device against K). Every mode measures the machine's ceiling:
+K independent copies of the model, one per device thread or worker, stepped
+together against one copy alone; the largest M's speed-up is compared with
+ideal x that ceiling (issue 23's bar: 85% of it). One recorded step at the
+largest M gives the measured bubble (benchmarks/remote_action_costs.py
+breaks the worker processes' step down action by action).
 
 Safety (grpc modes): TensorFlow's servers listen on every interface, so the
 run re-executes itself in a loopback-only network namespace

@@ -214,10 +214,12 @@ def _Costs(devices, m):
   return costs
 
 
-def Predict(costs_by_m, num_cells, schedule='gpipe'):
+def Predict(costs_by_m, num_cells, num_layers, schedule='gpipe'):
   """{M: (predicted step s, speed-up over M=1)} for K cells of the model.
 
-  Each of the K cells holds num_layers / K layers: its forward and backward
+  `costs_by_m` holds _Costs' measurements for each M (1 among them), made
+  on a 2-cell split of `num_layers` layers. Each of the K cells holds
+  num_layers / K layers: its forward and backward
   are the measured per-layer costs at that micro-batch size (a 2-cell
   model's cell, divided by its layers), slowed by the measured contention
   when M > 1 (with M = 1 no two devices ever compute at once), plus, when
@@ -227,7 +229,7 @@ def Predict(costs_by_m, num_cells, schedule='gpipe'):
   """
   # pylint: disable=g-import-not-at-top
   from tfpipe.gpipe import schedule as schedule_lib
-  layers_per_cell = FLAGS.num_layers // 2
+  layers_per_cell = num_layers // 2
   result = {}
   for m, costs in sorted(costs_by_m.items()):
     slowdown = 1.0 if m == 1 else (
@@ -236,7 +238,7 @@ def Predict(costs_by_m, num_cells, schedule='gpipe'):
     per_layer_f = costs['cell forward, micro-batch'] / layers_per_cell
     per_layer_fb = (costs['cell forward+backward, micro-batch'] /
                     layers_per_cell)
-    layers = FLAGS.num_layers / num_cells
+    layers = num_layers / num_cells
     f = per_layer_f * layers * slowdown
     b = (per_layer_fb - per_layer_f) * layers * slowdown + costs[
         'gradient accumulation, one cell'] * (m > 1) * layers / layers_per_cell
@@ -283,7 +285,7 @@ def main(argv):
   for k in [int(v) for v in FLAGS.predict_num_cells]:
     if FLAGS.num_layers % k:
       continue
-    predictions[k] = Predict(costs_by_m, k, FLAGS.schedule)
+    predictions[k] = Predict(costs_by_m, k, FLAGS.num_layers, FLAGS.schedule)
     for m, (t, speedup) in predictions[k].items():
       ideal = k * m / (m + k - 1)
       rows.append([f'K={k} M={m}', t * 1e3, speedup, ideal, speedup / ideal])

@@ -22,10 +22,12 @@ is done. There are two dispatchers:
            do run at the same time, because a function call releases the GIL.
 
 Timing (`record_times`) wraps Execute, so it is the same for every action
-and absent when not asked for: in a graph, `tf.timestamp` ops ordered after
-the action's inputs and before its device's next action; eagerly, host time
-after the inputs arrive and after the action's outputs exist (the outputs are
-read back, which waits for a GPU's kernels to finish).
+and absent when not asked for: in a graph, timestamps on the action's device
+ordered after the action's inputs and before its device's next action, and
+ordered after nothing else (see _STAMP: bare `tf.timestamp` ops would order
+the devices after each other); eagerly, host time after the inputs arrive
+and after the action's outputs exist (the outputs are read back, which waits
+for a GPU's kernels to finish).
 
 ChooseExecutor says which of the two executor='auto' means for a pipeline's
 devices and action size, from benchmarks/executor_choice.py's measurements.
@@ -321,11 +323,14 @@ def ChooseExecutor(devices, forward_flops_per_action):
 
   'graph' unless the devices are two or more local CPU devices and one
   forward action costs at least THREADS_MIN_FORWARD_FLOPS. GPU and TPU
-  runtimes overlap the cells of one graph themselves. On remote (gRPC)
-  workers each action of 'threads' is a remote function call, which cost
-  more than the overlap gained in every size measured on loopback
+  runtimes overlap the cells of one graph themselves, and so does TF's
+  distributed runtime on remote (gRPC) workers: the step is one function,
+  partitioned per worker, whose parts run at the same time and exchange
+  tensors by send/recv, worker to worker. With 'threads' each action would
+  instead be a remote function call from the controller
   (benchmarks/pipeline_efficiency.py --mode=grpc_threads against
-  --mode=grpc_graph); pass executor='threads' to try it on your cluster.
+  --mode=grpc_graph; benchmarks/remote_action_costs.py for the per-action
+  costs).
 
   Args:
     devices: the pipeline's device names.
