@@ -51,17 +51,30 @@ def OrderAfter(previous):
   return tf.control_dependencies(deps) if deps else contextlib.nullcontext()
 
 
-def _Stamp(unused_clock):
-  return tf.timestamp()
+def _Stamp(unused_clock, *after):
+  # One element of each tensor: a data dependency on it (see _STAMP).
+  reads = [tf.reshape(t, [-1])[:1] for t in after]
+  with tf.control_dependencies(reads):
+    return tf.timestamp()
 
 
-# The clock argument is never read: it only makes the call an op with a
-# (read-only) resource input. A bare tf.timestamp() is a stateful op with no
-# resource input, and tf.function's automatic control dependencies chain all
-# such ops in program order, across devices, so the stamps of different
-# devices would wait for each other and serialize the very actions they time.
-# Reads of one resource are not ordered among themselves.
+# A stamp is a call that reads one element of each tensor it comes after.
+# A control dependency is not enough: Grappler inlines the action's function
+# call, and a control edge from an inlined call waits only for its stateful
+# ops, not for its outputs, so a stamp "after" a pure forward would run
+# before the forward does. The clock argument is never read: it only makes
+# the call an op with a (read-only) resource input. A bare tf.timestamp() is
+# a stateful op with no resource input, and tf.function's automatic control
+# dependencies chain all such ops in program order, across devices, so the
+# stamps of different devices would wait for each other and serialize the
+# very actions they time. Reads of one resource are not ordered among
+# themselves.
 _STAMP = tf.function(_Stamp, autograph=False)
+
+
+def _IsData(t):
+  return isinstance(t, tf.Tensor) and t.dtype not in (tf.resource,
+                                                       tf.variant)
 
 
 class _Clocks:
@@ -87,10 +100,14 @@ def Timestamp(after, device, clocks=None):
   In a graph, pass `clocks` (a _Clocks) so that the stamps of different
   devices do not wait for each other.
   """
-  with tf.device(device), OrderAfter(after):
-    if clocks is None or tf.executing_eagerly():
+  if clocks is None or tf.executing_eagerly():
+    with tf.device(device), OrderAfter(after):
       return tf.timestamp()
-    return _STAMP(clocks.On(device))
+  after = [t.values if isinstance(t, tf.IndexedSlices) else t
+           for t in after if t is not None]
+  data = [t for t in after if _IsData(t)]
+  with tf.device(device), OrderAfter([t for t in after if not _IsData(t)]):
+    return _STAMP(clocks.On(device), *data)
 
 
 def _Tensors(structure):
