@@ -173,19 +173,21 @@ def _MeasureGrpc(jobs, executor):
   # the whole model, one per worker, stepped together from K controller
   # threads, against one copy alone.
   last_m = max(pipes)
-  copies = []
-  for d in devices:
-    with tf.device(d):
+  def Copy(device, m):
+    with tf.device(device):
       x_d = tf.identity(x)
     copy = gpipe.PipeliningLayer.Params().Set(
-        name='copy', cell_tpl=cells, num_micro_batches=last_m, devices=[d],
+        name='copy', cell_tpl=cells, num_micro_batches=m, devices=[device],
         round_robin_placement=True, remat_policy='never',
         schedule=FLAGS.schedule, executor='graph').Instantiate()
-    copies.append(lambda s=bench_lib.PipeTrainStep(copy, x_d), x_d=x_d: s(x_d))
+    return lambda s=bench_lib.PipeTrainStep(copy, x_d): s(x_d)
+  copies = [Copy(d, last_m) for d in devices]
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=k)
   steps[f'{k} copies together M={last_m}'] = lambda: [
       f.result() for f in [pool.submit(c) for c in copies]]
   steps[f'1 copy alone M={last_m}'] = copies[0]
+  # One copy at M=1 against M=last_m: the micro-batch efficiency.
+  steps['1 copy alone M=1'] = Copy(devices[0], 1)
   samples = bench_lib.TimeAlternating(steps, FLAGS.reps, log=print)
   pool.shutdown()
   tl = timeline.RecordStep(pipes[last_m], x, None, bench_lib.Loss)
@@ -321,6 +323,16 @@ def main(argv):
         f'{_TARGET_FRACTION * attainable:.3f}: '
         f'{"met" if measured >= _TARGET_FRACTION * attainable else "NOT met"}'
         ').')
+  if not threads:
+    micro_batch_efficiency = med['1 copy alone M=1'] / alone
+    print(f'Micro-batch efficiency: the whole model on one worker takes '
+          f'{alone * 1e3:.1f} ms at M={last_m} against '
+          f'{med["1 copy alone M=1"] * 1e3:.1f} ms at M=1 '
+          f'({micro_batch_efficiency:.3f}); the pipeline at M={last_m} is '
+          f'{alone / med[f"M={last_m}"]:.3f}x that one worker at equal M.')
+    results.append({'micro_batch_efficiency': micro_batch_efficiency,
+                    'one_worker_m1_s': med['1 copy alone M=1'],
+                    'pipelining_speedup_same_m': alone / med[f'M={last_m}']})
   results.append({'machine_parallel_efficiency': parallel_efficiency,
                   'copies_together_s': together, 'copy_alone_s': alone,
                   'attainable_speedup': attainable,
