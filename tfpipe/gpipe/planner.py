@@ -22,9 +22,10 @@ Predicted step time, from the profiled seconds of each action:
     action's cost being its compute (a re-materialized B includes its
     recompute), plus the transfer of its boundary activation; then the
     slowest device's update;
-  * devices that do not (TensorFlow runs the stages of one graph on CPU
-    devices one after another): the sum of every action, transfer and
-    update.
+  * devices that do not (logical CPU devices of one process, whose stages
+    share one thread pool): the sum of every action, transfer and update.
+    CPU worker processes do compute at the same time, with either executor
+    (benchmarks/RESULTS.md, "Issue 23").
 A profiled action's time includes its fixed cost (a function call); a cell
 of several layers pays it once, so it is counted once per action.
 
@@ -60,10 +61,9 @@ class Devices:
     bandwidth_bytes_per_s: between neighbouring devices; None: transfers
       are free.
     latency_s: fixed cost of one transfer.
-    concurrent: whether the devices compute at the same time (accelerators,
-      and CPU worker processes with executor='threads'); False where
-      TensorFlow runs one graph's stages one after another (logical CPU
-      devices and CPU worker processes with executor='graph').
+    concurrent: whether the devices compute at the same time
+      (accelerators, and CPU worker processes with either executor); False
+      for logical CPU devices of one process, which share its threads.
   """
   count: int
   memory_bytes: float
