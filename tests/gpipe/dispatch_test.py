@@ -170,15 +170,16 @@ def test_inside_tf_function_emits_the_cell_functions_into_one_graph(schedule):
   assert max(counts) <= 4, counts
 
 
+def _RecordingStep(pipe):
+  """A tf.function of (x, y) that returns the step's recorded times."""
+  return tf.function(lambda x, y: pipe.ComputeLossAndGradients(
+      x, y, _Loss, record_times=True).action_times)
+
+
 def test_recorded_times_inside_tf_function():
   pipe = _Pipeline(_LayerParams(4), 2, 3, executor='threads')
   x, y = _Data()
-
-  @tf.function
-  def Step(x, y):
-    return pipe.ComputeLossAndGradients(x, y, _Loss,
-                                        record_times=True).action_times
-  times = Step(x, y)
+  times = _RecordingStep(pipe)(x, y)
   tl = timeline.FromActionTimes(pipe.Schedule(3), times)
   assert len(tl.start_times) == 12
   _AssertStartsAfterInputs(tl)
@@ -233,16 +234,14 @@ def test_recorded_times_do_not_order_devices_after_each_other():
 
   A bare tf.timestamp() in a tf.function is chained after every other one by
   the automatic control dependencies, across devices, which serialized the
-  devices of a recorded step (and made its measured bubble an artifact).
+  devices of a recorded step (and made its measured bubble an artifact); and
+  a stamp that followed an action by a control edge ran before the action's
+  outputs existed.
   """
   pipe = _Pipeline(_LayerParams(4), 2, 4, executor='graph')
   x, y = _Data()
-
-  @tf.function
-  def Step(x, y):
-    return pipe.ComputeLossAndGradients(x, y, _Loss,
-                                        record_times=True).action_times
-  graph = Step.get_concrete_function(x, y).graph
+  step = _RecordingStep(pipe)
+  graph = step.get_concrete_function(x, y).graph
 
   def IsStamp(op):
     if op.type not in ('StatefulPartitionedCall', 'PartitionedCall'):
@@ -258,8 +257,11 @@ def test_recorded_times_do_not_order_devices_after_each_other():
     for dep in op.control_inputs:
       if dep.name in stamp_names:
         assert dep.device == op.device, (op.name, dep.name)
+    # Besides the clock, each stamp reads what it follows: a control edge
+    # from an inlined call would not wait for the call's outputs.
+    assert len(op.inputs) >= 2, op.name
   _AssertStartsAfterInputs(
-      timeline.FromActionTimes(pipe.Schedule(4), Step(x, y)))
+      timeline.FromActionTimes(pipe.Schedule(4), step(x, y)))
 
 
 def _AssertStartsAfterInputs(tl):
