@@ -27,7 +27,10 @@ Predicted step time, from the profiled seconds of each action:
     CPU worker processes do compute at the same time, with either executor
     (benchmarks/RESULTS.md, "Issue 23").
 A profiled action's time includes its fixed cost (a function call); a cell
-of several layers pays it once, so it is counted once per action.
+of several layers pays it once, so it is counted once per action. Worker
+processes driven by a controller (RemoteWorkers) also pay two function calls
+per step and each transfer's send/recv latency, as measured by
+benchmarks/remote_action_costs.py.
 
 A cell of several layers is estimated from its layers' profiles
 (`CombineLayers`): what they keep adds up, a re-materialized backward holds
