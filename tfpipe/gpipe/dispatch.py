@@ -16,10 +16,12 @@ is done. There are two dispatchers:
            one inside a tf.function.
   Threads  one Python thread per device (a replica's device, for replicas),
            issuing that device's actions in order and handing activations
-           and gradients to its neighbours through a mailbox. TensorFlow 2.21
-           runs the ops of one graph on different CPU devices (and gRPC
-           workers) one after another; separate calls from separate threads
-           do run at the same time, because a function call releases the GIL.
+           and gradients to its neighbours through a mailbox. Logical CPU
+           devices of one process share its thread pool, so one graph's
+           stages there compete for the same threads; separate calls from
+           separate threads do run at the same time, because a function call
+           releases the GIL. (On gRPC workers, one graph's stages already
+           run at the same time, each on its own worker.)
 
 Timing (`record_times`) wraps Execute, so it is the same for every action
 and absent when not asked for: in a graph, timestamps on the action's device
