@@ -35,6 +35,7 @@ dependency.
 """
 
 import concurrent.futures
+import statistics
 import sys
 import time
 
@@ -222,20 +223,23 @@ def Predict(costs_by_m, num_cells, num_layers, schedule='gpipe'):
   on a 2-cell split of `num_layers` layers. Each of the K cells holds
   num_layers / K layers: its forward and backward
   are the measured per-layer costs at that micro-batch size (a 2-cell
-  model's cell, divided by its layers), slowed by the measured contention
-  when M > 1 (with M = 1 no two devices ever compute at once), plus, when
+  model's cell, divided by its layers), slowed by the contention when M > 1
+  (with M = 1 no two devices ever compute at once), plus, when
   M > 1, the measured gradient accumulation. Each cross-device dependency
   adds the measured worker-to-worker transfer, and the step the one-call
-  cost of a step function over the workers.
+  cost of a step function over the workers. The contention is one factor,
+  the median over M of (both workers at once / one alone): a single
+  measurement of it swings with other jobs on a shared machine.
   """
   # pylint: disable=g-import-not-at-top
   from tfpipe.gpipe import schedule as schedule_lib
   layers_per_cell = num_layers // 2
+  contention = statistics.median(
+      c['cell forward+backward, both workers at once'] /
+      c['cell forward+backward, micro-batch'] for c in costs_by_m.values())
   result = {}
   for m, costs in sorted(costs_by_m.items()):
-    slowdown = 1.0 if m == 1 else (
-        costs['cell forward+backward, both workers at once'] /
-        costs['cell forward+backward, micro-batch'])
+    slowdown = 1.0 if m == 1 else contention
     per_layer_f = costs['cell forward, micro-batch'] / layers_per_cell
     per_layer_fb = (costs['cell forward+backward, micro-batch'] /
                     layers_per_cell)

@@ -34,7 +34,9 @@ def test_free_actions_predict_the_ideal_speedup(k):
 
 def test_overheads_and_contention_lower_the_speedup():
   free = {m: _Costs(1.0 / m, 3.0 / m) for m in (1, 8)}
-  costly = {1: _Costs(1.0, 3.0, **{'transfer worker to worker': 0.05}),
+  costly = {1: _Costs(1.0, 3.0, **{
+                'transfer worker to worker': 0.05,
+                'cell forward+backward, both workers at once': 3.0 / 0.8}),
             8: _Costs(1.0 / 8, 3.0 / 8, **{
                 'transfer worker to worker': 0.05,
                 'gradient accumulation, one cell': 0.01,
