@@ -170,18 +170,19 @@ def test_inside_tf_function_emits_the_cell_functions_into_one_graph(schedule):
   assert max(counts) <= 4, counts
 
 
+def _RecordingStep(pipe):
+  """A tf.function of (x, y) that returns the step's recorded times."""
+  return tf.function(lambda x, y: pipe.ComputeLossAndGradients(
+      x, y, _Loss, record_times=True).action_times)
+
+
 def test_recorded_times_inside_tf_function():
   pipe = _Pipeline(_LayerParams(4), 2, 3, executor='threads')
   x, y = _Data()
-
-  @tf.function
-  def Step(x, y):
-    return pipe.ComputeLossAndGradients(x, y, _Loss,
-                                        record_times=True).action_times
-  times = Step(x, y)
+  times = _RecordingStep(pipe)(x, y)
   tl = timeline.FromActionTimes(pipe.Schedule(3), times)
   assert len(tl.start_times) == 12
-  assert not tl.OrderViolations(tolerance=1e-4)
+  _AssertStartsAfterInputs(tl)
 
 
 @pytest.mark.parametrize('executor', ['graph', 'threads'])
@@ -226,3 +227,54 @@ def test_auto_executor_by_device_kind_and_action_size():
   assert choose(['/CPU:0', '/CPU:1'], big / 100) == 'graph'
   assert choose(['/CPU:0', '/CPU:1'], None) == 'graph'
   assert choose(['/CPU:0', '/CPU:0'], big) == 'graph'
+
+
+def test_recorded_times_do_not_order_devices_after_each_other():
+  """A device's timestamps wait only for its own actions and their inputs.
+
+  A bare tf.timestamp() in a tf.function is chained after every other one by
+  the automatic control dependencies, across devices, which serialized the
+  devices of a recorded step (and made its measured bubble an artifact); and
+  a stamp that followed an action by a control edge ran before the action's
+  outputs existed.
+  """
+  pipe = _Pipeline(_LayerParams(4), 2, 4, executor='graph')
+  x, y = _Data()
+  step = _RecordingStep(pipe)
+  graph = step.get_concrete_function(x, y).graph
+
+  def IsStamp(op):
+    if op.type not in ('StatefulPartitionedCall', 'PartitionedCall'):
+      return False
+    return '_Stamp' in op.get_attr('f').name
+  stamps = [op for op in graph.get_operations() if IsStamp(op)]
+  assert len(stamps) == 2 * 2 * 2 * 4  # (start, end) x F, B x K x M.
+  stamp_names = {op.name for op in stamps}
+  devices = {tf.DeviceSpec.from_string(op.device).device_index
+             for op in stamps}
+  assert devices == {0, 1}
+  for op in stamps:
+    for dep in op.control_inputs:
+      if dep.name in stamp_names:
+        assert dep.device == op.device, (op.name, dep.name)
+    # Besides the clock, each stamp reads what it follows: a control edge
+    # from an inlined call would not wait for the call's outputs.
+    assert len(op.inputs) >= 2, op.name
+  _AssertStartsAfterInputs(
+      timeline.FromActionTimes(pipe.Schedule(4), step(x, y)))
+
+
+def _AssertStartsAfterInputs(tl):
+  """Each device runs its actions one after another, in the schedule's order.
+
+  Across devices an action waits for its input, not for the timestamp that
+  ends the action producing it: both stamps wait for the same tensor (in
+  either order), and a backward hands on its input gradient before it has
+  added its weight gradients.
+  """
+  device_of = tl.schedule.device_of_cell
+  for action, prerequisite, _ in tl.OrderViolations(tolerance=1e-4):
+    assert device_of[action.cell] != device_of[prerequisite.cell], (
+        action, prerequisite)
+    assert action.micro_batch == prerequisite.micro_batch, (action,
+                                                             prerequisite)

@@ -109,3 +109,16 @@ def test_memory_balanced_cut_balances_the_peaks():
   assert max(p.peak_bytes for p in peaks) < 1.2 * min(
       p.peak_bytes for p in peaks)
   assert planner.MemoryBalancedCut(_Profiles(2), 4, step) is None
+
+
+@pytest.mark.parametrize('concurrent', [True, False])
+def test_remote_workers_pay_the_step_calls_and_transfer_latency(concurrent):
+  cells = [_Layer(4), _Layer(4, True)]
+  step = memory_model.StepConfig('gpipe', 4, 16, 'always')
+  local = planner.Devices(2, 1e12, concurrent=concurrent)
+  remote = planner.RemoteWorkers(local)
+  local_s, _ = planner.StepTime(cells, step, local)
+  remote_s, parts = planner.StepTime(cells, step, remote)
+  assert parts['step calls'] == 2 * planner.REMOTE_STEP_FUNCTION_CALL_S
+  assert parts['transfers'] > 0
+  assert remote_s > local_s + parts['step calls']

@@ -251,3 +251,20 @@ def test_interleaved_needs_round_robin_placement():
   with pytest.raises(ValueError, match='multiple of the number of devices'):
     schedule_lib.InterleavedOneFOneBSchedule(3, 4, [0, 1, 0])
   assert schedule_lib.VirtualStages(6, [0, 1, 2, 0, 1, 2]) == (3, 2)
+
+
+def test_text_timeline_shows_an_instant_action():
+  """A recorded action can take no measurable time (ZB-H1's B on the first
+  cell has no input gradient to compute); it must still be drawn, not
+  overwritten by the action after it."""
+  sched = schedule_lib.MakeSchedule('zb_h1', 2, 3)
+  start, end = {}, {}
+  for acts in sched.device_actions:
+    t = 0.0
+    for a in acts:
+      duration = 0.0 if (a.kind, a.cell) == ('B', 0) else 1.0
+      start[a], end[a] = t, t + duration
+      t += duration
+  dev0 = schedule_lib.TextTimeline(sched, start_times=start,
+                                   end_times=end).splitlines()[0]
+  assert dev0.count('B') == 3 and dev0.count('W') == 3, dev0

@@ -16,16 +16,20 @@ is done. There are two dispatchers:
            one inside a tf.function.
   Threads  one Python thread per device (a replica's device, for replicas),
            issuing that device's actions in order and handing activations
-           and gradients to its neighbours through a mailbox. TensorFlow 2.21
-           runs the ops of one graph on different CPU devices (and gRPC
-           workers) one after another; separate calls from separate threads
-           do run at the same time, because a function call releases the GIL.
+           and gradients to its neighbours through a mailbox. Logical CPU
+           devices of one process share its thread pool, so one graph's
+           stages there compete for the same threads; separate calls from
+           separate threads do run at the same time, because a function call
+           releases the GIL. (On gRPC workers, one graph's stages already
+           run at the same time, each on its own worker.)
 
 Timing (`record_times`) wraps Execute, so it is the same for every action
-and absent when not asked for: in a graph, `tf.timestamp` ops ordered after
-the action's inputs and before its device's next action; eagerly, host time
-after the inputs arrive and after the action's outputs exist (the outputs are
-read back, which waits for a GPU's kernels to finish).
+and absent when not asked for: in a graph, timestamps on the action's device
+ordered after the action's inputs and before its device's next action, and
+ordered after nothing else (see _STAMP: bare `tf.timestamp` ops would order
+the devices after each other); eagerly, host time after the inputs arrive
+and after the action's outputs exist (the outputs are read back, which waits
+for a GPU's kernels to finish).
 
 ChooseExecutor says which of the two executor='auto' means for a pipeline's
 devices and action size, from benchmarks/executor_choice.py's measurements.
@@ -37,6 +41,7 @@ import threading
 import time
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 
 def OrderAfter(previous):
@@ -48,10 +53,63 @@ def OrderAfter(previous):
   return tf.control_dependencies(deps) if deps else contextlib.nullcontext()
 
 
-def Timestamp(after, device):
-  """A tf.timestamp() that runs after `after` on `device`."""
-  with tf.device(device), OrderAfter(after):
+def _Stamp(unused_clock, *after):
+  # One element of each tensor: a data dependency on it (see _STAMP).
+  reads = [tf.reshape(t, [-1])[:1] for t in after]
+  with tf.control_dependencies(reads):
     return tf.timestamp()
+
+
+# A stamp is a call that reads one element of each tensor it comes after.
+# A control dependency is not enough: Grappler inlines the action's function
+# call, and a control edge from an inlined call waits only for its stateful
+# ops, not for its outputs, so a stamp "after" a pure forward would run
+# before the forward does. The clock argument is never read: it only makes
+# the call an op with a (read-only) resource input. A bare tf.timestamp() is
+# a stateful op with no resource input, and tf.function's automatic control
+# dependencies chain all such ops in program order, across devices, so the
+# stamps of different devices would wait for each other and serialize the
+# very actions they time. Reads of one resource are not ordered among
+# themselves.
+_STAMP = tf.function(_Stamp, autograph=False)
+
+
+def _IsData(t):
+  return isinstance(t, tf.Tensor) and t.dtype not in (tf.resource,
+                                                       tf.variant)
+
+
+class _Clocks:
+  """One unused scalar variable per device, the read-only resource input of
+  that device's stamps (see _STAMP)."""
+
+  def __init__(self):
+    self._variables = {}
+
+  def On(self, device):
+    if device not in self._variables:
+      # Made directly, out of the trace: a tf.Variable is refused in a
+      # later trace of the caller's tf.function.
+      with tf.init_scope(), tf.device(device):
+        self._variables[device] = resource_variable_ops.ResourceVariable(
+            0, trainable=False, name='timeline_clock')
+    return self._variables[device]
+
+
+def Timestamp(after, device, clocks=None):
+  """A tf.timestamp() that runs after `after` on `device`.
+
+  In a graph, pass `clocks` (a _Clocks) so that the stamps of different
+  devices do not wait for each other.
+  """
+  if clocks is None or tf.executing_eagerly():
+    with tf.device(device), OrderAfter(after):
+      return tf.timestamp()
+  after = [t.values if isinstance(t, tf.IndexedSlices) else t
+           for t in after if t is not None]
+  data = [t for t in after if _IsData(t)]
+  with tf.device(device), OrderAfter([t for t in after if not _IsData(t)]):
+    return _STAMP(clocks.On(device), *data)
 
 
 def _Tensors(structure):
@@ -158,14 +216,16 @@ class _Timer:
   def __init__(self):
     self.times = {}
     self._lock = threading.Lock()
+    self._clocks = _Clocks()
 
   def Run(self, item, device, args, previous, store, run):
     """Runs `run(store)` and times it; returns its done tokens."""
     if not tf.executing_eagerly():
-      start = Timestamp(list(previous or []) + _Tensors(args), device)
+      start = Timestamp(list(previous or []) + _Tensors(args), device,
+                        self._clocks)
       with tf.control_dependencies([start]):
         done = run(store)
-      end = Timestamp(list(done) + [start], device)
+      end = Timestamp(list(done) + [start], device, self._clocks)
       self.times[item] = (start, end)
       return [end]
     held = _HeldStore(store)
@@ -282,11 +342,14 @@ def ChooseExecutor(devices, forward_flops_per_action):
 
   'graph' unless the devices are two or more local CPU devices and one
   forward action costs at least THREADS_MIN_FORWARD_FLOPS. GPU and TPU
-  runtimes overlap the cells of one graph themselves. On remote (gRPC)
-  workers each action of 'threads' is a remote function call, which cost
-  more than the overlap gained in every size measured on loopback
+  runtimes overlap the cells of one graph themselves, and so does TF's
+  distributed runtime on remote (gRPC) workers: the step is one function,
+  partitioned per worker, whose parts run at the same time and exchange
+  tensors by send/recv, worker to worker. With 'threads' each action would
+  instead be a remote function call from the controller
   (benchmarks/pipeline_efficiency.py --mode=grpc_threads against
-  --mode=grpc_graph); pass executor='threads' to try it on your cluster.
+  --mode=grpc_graph; benchmarks/remote_action_costs.py for the per-action
+  costs).
 
   Args:
     devices: the pipeline's device names.

@@ -22,11 +22,15 @@ Predicted step time, from the profiled seconds of each action:
     action's cost being its compute (a re-materialized B includes its
     recompute), plus the transfer of its boundary activation; then the
     slowest device's update;
-  * devices that do not (TensorFlow runs the stages of one graph on CPU
-    devices one after another): the sum of every action, transfer and
-    update.
+  * devices that do not (logical CPU devices of one process, whose stages
+    share one thread pool): the sum of every action, transfer and update.
+    CPU worker processes do compute at the same time, with either executor
+    (benchmarks/RESULTS.md, "Issue 23").
 A profiled action's time includes its fixed cost (a function call); a cell
-of several layers pays it once, so it is counted once per action.
+of several layers pays it once, so it is counted once per action. Worker
+processes driven by a controller (RemoteWorkers) also pay two function calls
+per step and each transfer's send/recv latency, as measured by
+benchmarks/remote_action_costs.py.
 
 A cell of several layers is estimated from its layers' profiles
 (`CombineLayers`): what they keep adds up, a re-materialized backward holds
@@ -60,16 +64,36 @@ class Devices:
     bandwidth_bytes_per_s: between neighbouring devices; None: transfers
       are free.
     latency_s: fixed cost of one transfer.
-    concurrent: whether the devices compute at the same time (accelerators,
-      and CPU worker processes with executor='threads'); False where
-      TensorFlow runs one graph's stages one after another (logical CPU
-      devices and CPU worker processes with executor='graph').
+    concurrent: whether the devices compute at the same time
+      (accelerators, and CPU worker processes with either executor); False
+      for logical CPU devices of one process, which share its threads.
+    step_call_s: the controller's fixed cost per step: calling the step
+      function over the devices and the update (RemoteWorkers sets it for
+      worker processes).
   """
   count: int
   memory_bytes: float
   bandwidth_bytes_per_s: Optional[float] = None
   latency_s: float = 0.0
   concurrent: bool = True
+  step_call_s: float = 0.0
+
+
+# What driving worker processes from a controller costs, beyond compute
+# (benchmarks/remote_action_costs.py; benchmarks/RESULTS.md, "Issue 23"):
+# one call of a function over the workers, and one activation or gradient
+# handed from worker to worker by send/recv.
+REMOTE_STEP_FUNCTION_CALL_S = 3e-3
+REMOTE_TRANSFER_LATENCY_S = 2e-3
+
+
+def RemoteWorkers(devices):
+  """`devices` as worker processes driven by a controller over gRPC: each
+  step pays two function calls (the step and the update), and each transfer
+  between neighbours the send/recv latency."""
+  return dataclasses.replace(
+      devices, latency_s=max(devices.latency_s, REMOTE_TRANSFER_LATENCY_S),
+      step_call_s=max(devices.step_call_s, 2 * REMOTE_STEP_FUNCTION_CALL_S))
 
 
 @dataclasses.dataclass
@@ -239,6 +263,7 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
   if not devices.concurrent:
     parts = {name: value * num_replicas for name, value in parts.items()}
     parts['update'] = sum(update)
+    parts['step calls'] = devices.step_call_s
     return sum(parts.values()), parts
   sim = schedule_lib.Simulate(sched, forward_costs=forward,
                               backward_costs=[max(b, 1e-12)
@@ -250,8 +275,10 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
     parts['gradient sum'] = max(
         devices.latency_s + c.variable_bytes / devices.bandwidth_bytes_per_s
         for c in cells) * math.ceil(math.log2(num_replicas))
+  parts['step calls'] = devices.step_call_s
   return sim.makespan + sum(v for k, v in parts.items()
-                            if k in ('update', 'gradient sum')), parts
+                            if k in ('update', 'gradient sum', 'step calls')
+                            ), parts
 
 
 # ---- the search ----------------------------------------------------------------

@@ -484,7 +484,9 @@ def TextTimeline(schedule, forward_costs=None, backward_costs=None,
   Without times it simulates the default costs (see `Simulate`). Forward
   actions print as `F<m>`, backward as `B<m>`, weight gradients as `W<m>`
   (with `.<cell>` when devices hold several cells); dots are idle slots.
-  Measured times (from a recorded step) can be passed in instead.
+  Measured times (from a recorded step) can be passed in instead. An action
+  shorter than a column still shows its first letter: it is drawn one
+  column after the previous action's start at the earliest.
   """
   if start_times is None:
     sim = Simulate(schedule, forward_costs, backward_costs,
@@ -501,11 +503,13 @@ def TextTimeline(schedule, forward_costs=None, backward_costs=None,
   lines = []
   for d, acts in enumerate(schedule.device_actions):
     row = ['.'] * (cols + label_w)
+    free = 0  # The first column the next action's label may start at.
     for a in acts:
       if a not in start_times:
         continue
-      s = int(round((start_times[a] - t0) * scale))
+      s = max(free, int(round((start_times[a] - t0) * scale)))
       e = max(s + 1, int(round((end_times[a] - t0) * scale)))
+      free = s + 1
       text = f'{a.kind}{a.micro_batch}'
       if schedule.num_devices != schedule.num_cells:
         text += f'.{a.cell}'

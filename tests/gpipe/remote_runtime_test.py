@@ -1,0 +1,136 @@
+"""A pipeline on worker processes computes what it computes in one process.
+
+The cells run on real tf.distribute.Server workers on loopback (a
+loopback-only network namespace, as the launcher's), driven by a controller
+process: every schedule, every remat policy, executor='auto' (which runs the
+whole step as one graph over the workers) and 'threads', and R=2 replicas x
+K=2 cells, must give the loss and gradients of the plain model run in one
+process on the same batch. Starting TensorFlow processes costs seconds, so
+one probe process (this file run as a module) starts two workers of two CPU
+devices each, checks every configuration, prints one JSON line per check and
+kills the workers; the test reads the lines.
+"""
+# bazel: deps=//tfpipe:local_cluster,//tfpipe:network_namespace,//tfpipe:servers
+
+import json
+import os
+import subprocess
+import sys
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+_MODULE = 'tests.gpipe.remote_runtime_test'
+_PROBE_TIMEOUT_S = 240
+_WORKERS = 2
+_DEVICES_PER_WORKER = 2
+_SCHEDULES = ('gpipe', '1f1b', 'zb_h1', 'interleaved_1f1b')
+_REMAT_POLICIES = ('never', 'always', 'except_last')
+
+
+def _Configs():
+  """(name, pipeline settings) of every check the probe runs."""
+  configs = []
+  for schedule in _SCHEDULES:
+    # Every remat policy on GPipe; what F keeps is the schedules' shared
+    # code (cell_runtime.py), so the others run without remat, which keeps
+    # the most across micro-batches.
+    for remat in _REMAT_POLICIES if schedule == 'gpipe' else ('never',):
+      configs.append((f'{schedule}/{remat}', dict(
+          schedule=schedule, remat_policy=remat, executor='auto',
+          num_cells=4 if schedule == 'interleaved_1f1b' else 2,
+          num_devices=2, num_replicas=1)))
+  configs.append(('1f1b/never/threads', dict(
+      schedule='1f1b', remat_policy='never', executor='threads', num_cells=2,
+      num_devices=2, num_replicas=1)))
+  configs.append(('gpipe/always/2 replicas', dict(
+      schedule='gpipe', remat_policy='always', executor='auto', num_cells=2,
+      num_devices=4, num_replicas=2)))
+  return configs
+
+
+def _Serve(spec, task):
+  from tfpipe import cluster_spec  # pylint: disable=g-import-not-at-top
+  from tfpipe import servers  # pylint: disable=g-import-not-at-top
+  servers.Serve(cluster_spec.ParseClusterSpec(spec), cluster_spec.WORKER_JOB,
+                task, num_devices=_DEVICES_PER_WORKER, intra_op_threads=1,
+                inter_op_threads=2)
+
+
+def _Probe():
+  """Starts the workers, checks every configuration, prints JSON lines."""
+  # pylint: disable=g-import-not-at-top
+  from tfpipe import cluster_spec
+  from tfpipe import local_cluster
+  from tfpipe import network_namespace
+  network_namespace.EnterLoopbackNamespace(_MODULE, sys.argv)
+  children = local_cluster.ChildProcesses('remote_runtime_test')
+  try:
+    jobs = local_cluster.LocalClusterJobs(_WORKERS)
+    spec = cluster_spec.FormatClusterSpec(jobs)
+    local_cluster.StartWorkers(
+        children, jobs, lambda k: [sys.executable, '-m', _MODULE, 'worker',
+                                   spec, str(k)], 90, cwd=_REPO_ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import numpy as np
+    import tensorflow as tf
+    from tests.gpipe import pipelining_layer_test as plt_test
+    from tfpipe import device_names
+    from tfpipe import gpipe
+    from tfpipe import servers
+    servers.ConnectToCluster(tf.train.ClusterSpec(jobs))
+    layer_params = plt_test._LayerParams()  # pylint: disable=protected-access
+    x, y = plt_test._Data()  # pylint: disable=protected-access
+    ref_loss, ref_grads = plt_test._Reference(layer_params, x, y)  # pylint: disable=protected-access
+    for name, c in _Configs():
+      devices = device_names.WorkerDevices(
+          c['num_devices'], _WORKERS, devices_per_worker=_DEVICES_PER_WORKER)
+      cells = gpipe.PartitionSequentialLayers(layer_params, c['num_cells'],
+                                              balance='params')
+      pipe = gpipe.PipeliningLayer.Params().Set(
+          name='pipe', cell_tpl=cells, num_micro_batches=3, devices=devices,
+          num_replicas=c['num_replicas'], schedule=c['schedule'],
+          remat_policy=c['remat_policy'], executor=c['executor'],
+          round_robin_placement=c['num_cells'] > c['num_devices']
+      ).Instantiate()
+      out = pipe.ComputeLossAndGradients(x, y, plt_test._Loss)  # pylint: disable=protected-access
+      placed = sorted({tf.DeviceSpec.from_string(v.value.device).job
+                       for v in pipe.trainable_variables})
+      errors = [float(abs(out.loss - ref_loss))] + [
+          float(np.max(np.abs(g - r) / (1e-6 + 1e-5 * np.abs(r))))
+          for g, r in zip(out.gradients, ref_grads)]
+      print('CHECK ' + json.dumps({
+          'name': name, 'executor': pipe.ResolvedExecutor(x),
+          'jobs': placed, 'num_gradients': len(out.gradients),
+          'loss_error': errors[0], 'worst_gradient_error': max(errors[1:]),
+          'loss_scale': float(ref_loss)}), flush=True)
+  finally:
+    children.Close()
+
+
+def test_every_schedule_on_worker_processes_equals_one_process():
+  proc = subprocess.run(
+      [sys.executable, '-m', _MODULE, 'probe'], cwd=_REPO_ROOT,
+      capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S, check=False)
+  checks = {}
+  for line in proc.stdout.splitlines():
+    if line.startswith('CHECK '):
+      check = json.loads(line[len('CHECK '):])
+      checks[check['name']] = check
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert sorted(checks) == sorted(name for name, _ in _Configs())
+  num_reference_gradients = 16  # 8 FC layers, a weight and a bias each.
+  for name, check in checks.items():
+    assert check['jobs'] == ['worker'], check  # The cells ran on the workers.
+    assert check['num_gradients'] == num_reference_gradients, check
+    assert check['loss_error'] <= 1e-5 * check['loss_scale'], check
+    # |g - g_ref| <= 1e-6 + 1e-5 |g_ref| for every element.
+    assert check['worst_gradient_error'] <= 1.0, check
+    if not name.endswith('/threads'):
+      assert check['executor'] == 'graph', check
+
+
+if __name__ == '__main__':
+  if sys.argv[1] == 'worker':
+    _Serve(sys.argv[2], int(sys.argv[3]))
+  else:
+    _Probe()
