@@ -152,7 +152,8 @@ def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
   if k not in profiles:
     start = time.time()
     profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
-        p, micro_batch_sizes=sizes, example=example))
+        p, micro_batch_sizes=sizes, example=example,
+        intra_op_threads=capped_workers.INTRA_OP_THREADS))
     log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
         f'in {time.time() - start:.0f}s')
   workers = pending or capped_workers.CappedWorkers(
