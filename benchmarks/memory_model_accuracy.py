@@ -60,6 +60,9 @@ flags.DEFINE_string('predict_from', None, 'A JSON this benchmark wrote: '
                     'stored profiles with the current memory model, '
                     'without measuring (the measurements do not depend on '
                     'the model).')
+flags.DEFINE_bool('reprofile', False, 'With --predict_from: profile the '
+                  'cells again with the current profiler instead of using '
+                  'the stored profiles.')
 
 MIB = 2.0**20
 
@@ -192,6 +195,23 @@ def _Predict(row, p, profiles, example):
       key=abs)
 
 
+def _ProfileAgain(base, example, by_k, log):
+  """Each K's cells profiled again, at the sizes of the stored profiles."""
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  profiles = {}
+  for k, cells in by_k.items():
+    sizes = sorted({m['micro_batch_size'] for m in cells[0]['measurements']})
+    p = base.Copy()
+    p.task.pipeline.num_partitions = int(k)
+    start = time.time()
+    profiles[k] = [c.ToDict() for c in memory_report.Profile(
+        memory_report.ProfileRequest(
+            p, micro_batch_sizes=sizes, example=example,
+            intra_op_threads=capped_workers.INTRA_OP_THREADS))]
+    log(f'K={k}: profiled again in {time.time() - start:.0f}s')
+  return profiles
+
+
 def PredictAgain(path, log):
   """The rows of an earlier run, predicted again from its stored profiles."""
   from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
@@ -202,6 +222,9 @@ def PredictAgain(path, log):
   for model, by_k in earlier['profiles'].items():
     base = ExperimentParams(model)
     example = memory_report.ExampleBatch(base)
+    if FLAGS.reprofile:
+      by_k = _ProfileAgain(base, example, by_k, log)
+      earlier['profiles'][model] = by_k
     for row in earlier['rows']:
       if row['model'] != model:
         continue
