@@ -119,7 +119,7 @@ def _Configurations(model):
           yield p
 
 
-def RunModel(model, rows, log):
+def RunModel(model, rows, log, save=None):
   """Profiles each K's cells once, then measures every configuration, each
   on fresh workers: a worker that ran other configurations before peaks
   higher (TensorFlow's runtime keeps some of each), which a real run, one
@@ -140,6 +140,9 @@ def RunModel(model, rows, log):
     for i, p in enumerate(configurations):
       pending = _RunOne(model, i, p, configurations, pending, profiles, sizes,
                         example, rows, log)
+      if save:  # Each row kept as it is measured.
+        save({str(k): [c.ToDict() for c in cells]
+              for k, cells in profiles.items()})
   finally:
     if pending:
       pending.Close()
@@ -287,8 +290,8 @@ def main(argv):
     rows, profiles = PredictAgain(FLAGS.predict_from, log)
   else:
     for model in FLAGS.models:
-      profiles[model] = RunModel(model, rows, log)
-      _Write(bench_lib, rows, profiles)  # What is done so far, kept.
+      profiles[model] = RunModel(model, rows, log, lambda done, m=model: _Write(
+          bench_lib, rows, dict(profiles, **{m: done})))
   within = [r for r in rows if abs(r['worst_error']) <= FLAGS.tolerance]
   worst = max(rows, key=lambda r: abs(r['worst_error']))
   print(f'{len(within)} of {len(rows)} configurations within '

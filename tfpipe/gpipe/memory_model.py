@@ -65,12 +65,7 @@ class CellMemory:
     input_gradient_bytes: the float part of it (the gradient B hands back).
     output_bytes: one micro-batch's output (what F hands on).
     output_gradient_bytes: the float part of it (the gradient B receives).
-    kept: what F keeps until its B, beyond the input, its actions called
-      one by one (eagerly).
-    traced_kept: on the last cell, what F keeps without
-      re-materialization in a traced step (0: not measured), where Grappler
-      specializes the backward's call and keeps less than the actions
-      called one by one do (memory_profile._TracedKept).
+    kept: what F keeps until its B, beyond the input.
     forward_peak: F's working set.
     backward_peak: B's working set (the recompute included, under remat).
     fused_peak: F, loss and B of the last cell in one call.
@@ -88,7 +83,6 @@ class CellMemory:
   output_bytes: int = 0
   output_gradient_bytes: int = 0
   kept: Dict[str, float] = dataclasses.field(default_factory=dict)
-  traced_kept: float = 0.0
   forward_peak: Dict[str, float] = dataclasses.field(default_factory=dict)
   backward_peak: Dict[str, float] = dataclasses.field(default_factory=dict)
   fused_peak: float = 0.0
@@ -251,8 +245,6 @@ class StepConfig:
     input_example_bytes: bytes of one example's input (the first device
       holds the whole batch's).
     target_example_bytes: bytes of one example's targets (last device).
-    traced: whether the step is traced (executor 'graph'), where a forward
-      without re-materialization keeps CellMemory.traced_kept.
   """
   schedule: str
   num_micro_batches: int
@@ -261,14 +253,6 @@ class StepConfig:
   device_of_cell: Optional[List[int]] = None
   input_example_bytes: float = 0.0
   target_example_bytes: float = 0.0
-  traced: bool = True
-
-
-def Kept(c, mode, step):
-  """What F of cell memory `c` keeps until its B in this step."""
-  if mode == NO_REMAT and step.traced and c.traced_kept:
-    return c.traced_kept
-  return c.kept[mode]
 
 
 def MicroBatchSizes(batch_size, num_micro_batches):
@@ -391,7 +375,7 @@ def WalkDevice(sched, device, cell_at, step):
         walk.Consider(received + c.fused_peak + dx, str(a))
     elif a.kind == schedule_lib.FORWARD:
       walk.Consider(received + c.forward_peak[mode], str(a))
-      walk.Keep((k, m), received + Kept(c, mode, step))
+      walk.Keep((k, m), received + c.kept[mode])
     else:
       incoming = c.output_gradient_bytes if k < last else 0.0
       walk.Consider(incoming + c.backward_peak[mode] + dx, str(a))

@@ -15,10 +15,7 @@ bytes in use after it. GPipe with M=2 gives every kind of action a cell has:
 
 run once with remat_policy='always' and once with 'never'. So what the
 memory model predicts is what this engine keeps, whatever that is; nothing
-about it is written down here. The last cell is also run as a traced step
-(what its forward keeps there, without re-materialization, is less), and
-each profile runs with the devices' intra-op threads, which decide how many
-ops, and so how many working sets, run at once.
+about it is written down here.
 
 A cell that is not last gets a stand-in loss (the mean of its float
 outputs), whose gradient a real pipeline receives from the next device
@@ -270,48 +267,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
        result.update_s) = _ProfileUpdate(variables, optimizer_params,
                                          clip_gradient_norm)
     del pipe, recorder
-  if is_last:
-    result.traced_kept = _TracedKept(cell_params, inputs, targets, loss_fn, n)
   return result
-
-
-def _TracedKept(cell_params, inputs, targets, loss_fn, n):
-  """What the last cell's forward without re-materialization keeps in a
-  traced step.
-
-  The last cell runs here as in a pipeline: its loss and targets, traced
-  with its backward (executor 'graph'), where Grappler specializes the
-  backward's call and keeps less than the actions called one by one do. A
-  traced one-cell GPipe step of M micro-batches of n keeps M - 1 of them at
-  its peak (the last one's F and B run as one call), so two steps, M=2 and
-  M=4, differ by two micro-batches' keep. Other cells are not measured so:
-  their stand-in loss, traced into the same function as their backward,
-  would let Grappler simplify across what is a device boundary in a
-  pipeline.
-  """
-  tf = _Tf()
-  from tfpipe.gpipe import pipelining_layer  # pylint: disable=g-import-not-at-top
-  peaks = []
-  for m in (2, 4):
-    batch = _Take(inputs, m * n)
-    batch_targets = _Take(targets, m * n) if targets is not None else None
-    pipe = pipelining_layer.PipeliningLayer.Params().Set(
-        name='traced', cell_tpl=[cell_params.Copy()], num_micro_batches=m,
-        devices=[LocalCpu()], executor='graph', schedule='gpipe',
-        remat_policy=memory_model.NO_REMAT).Instantiate()
-    peak = 0
-    for i in range(_RECORDED_STEPS):
-      tf.config.experimental.reset_memory_stats(_ALLOCATOR)
-      before = tf.config.experimental.get_memory_info(_ALLOCATOR)['current']
-      out = pipe.ComputeLossAndGradients(batch, batch_targets, loss_fn)
-      float(out.loss)
-      del out
-      if i:  # The first traces.
-        peak = max(peak, tf.config.experimental.get_memory_info(
-            _ALLOCATOR)['peak'] - before)
-    peaks.append(peak)
-    del pipe
-  return max(0.0, (peaks[1] - peaks[0]) / 2)
 
 
 def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm):

@@ -150,8 +150,6 @@ def CombineLayers(layers: Sequence[memory_model.CellMemory],
       output_bytes=last.output_bytes,
       output_gradient_bytes=last.output_gradient_bytes,
       kept={re: last.kept[re], no: recorded},
-      traced_kept=(sum(layer.traced_kept for layer in layers) + inner
-                   if all(layer.traced_kept for layer in layers) else 0.0),
       forward_peak={
           re: max(layer.forward_peak[re] + (layer.input_bytes if i else 0)
                   for i, layer in enumerate(layers)),

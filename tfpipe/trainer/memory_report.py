@@ -127,10 +127,7 @@ def StepConfig(p, example=None):
       schedule=pp.schedule, num_micro_batches=pp.num_micro_batches,
       batch_size=ReplicaBatchSize(p), remat_policy=pp.remat_policy,
       device_of_cell=device_of_cell, input_example_bytes=input_bytes,
-      target_example_bytes=target_bytes,
-      # 'auto' traces the step except for large actions on several local
-      # CPU devices, which share one allocator anyway.
-      traced=pp.executor != 'threads')
+      target_example_bytes=target_bytes)
 
 
 def PredictPeaks(p, profiles, example=None):
