@@ -15,7 +15,9 @@ bytes in use after it. GPipe with M=2 gives every kind of action a cell has:
 
 run once with remat_policy='always' and once with 'never'. So what the
 memory model predicts is what this engine keeps, whatever that is; nothing
-about it is written down here.
+about it is written down here. A profile runs with the devices' intra-op
+threads (`ProfileRequest.intra_op_threads`): how many ops run at once
+decides how many working sets coexist, the optimizer update's above all.
 
 A cell that is not last gets a stand-in loss (the mean of its float
 outputs), whose gradient a real pipeline receives from the next device
