@@ -36,10 +36,15 @@ from tfpipe import local_cluster
 from tfpipe import memory_limit
 from tfpipe import servers
 
+# Threads one op may use in a worker unless asked otherwise: one, as on a
+# device that runs one op at a time (the memory profiles match it).
+INTRA_OP_THREADS = 1
+
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def RunWorker(cluster_text, task, intra_op_threads=1, inter_op_threads=0):
+def RunWorker(cluster_text, task, intra_op_threads=INTRA_OP_THREADS,
+              inter_op_threads=0):
   """Serves one device and answers 'reset' and 'memory' on stdin."""
   from tfpipe import quiet  # pylint: disable=g-import-not-at-top
   tf = quiet.ImportTensorFlow()
@@ -63,7 +68,8 @@ def RunWorker(cluster_text, task, intra_op_threads=1, inter_op_threads=0):
 class CappedWorkers:
   """K single-device worker processes; this process is their controller."""
 
-  def __init__(self, num_workers, memory_mb=None, intra_op_threads=1,
+  def __init__(self, num_workers, memory_mb=None,
+               intra_op_threads=INTRA_OP_THREADS,
                inter_op_threads=0, startup_timeout_s=180, owner='benchmark',
                wait=True):
     """Starts the workers and (with `wait`) waits until they serve.
@@ -169,7 +175,8 @@ def _Main():
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string('cluster', None, 'The cluster spec.')
   flags.DEFINE_integer('task', None, 'This worker\'s task index.')
-  flags.DEFINE_integer('intra_op_threads', 1, 'Threads one op may use.')
+  flags.DEFINE_integer('intra_op_threads', INTRA_OP_THREADS,
+                       'Threads one op may use.')
   flags.DEFINE_integer('inter_op_threads', 0, 'Ops run at once (0: '
                        'TensorFlow\'s default).')
 

@@ -237,6 +237,7 @@ class Predictor:
 
   def _LayerProfiles(self, p):
     """gpipe.planner.LayerProfiles of the model of params p."""
+    from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
     from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
     from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
     from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
@@ -249,9 +250,10 @@ class Predictor:
     if missing:
       start = time.time()
       request = memory_report.ProfileRequest(
-          p, cells=cells, micro_batch_sizes=[1, FLAGS.batch])
+          p, cells=cells, micro_batch_sizes=[1, FLAGS.batch],
+          intra_op_threads=capped_workers.INTRA_OP_THREADS)
       request.Select(missing)  # Only the layers not profiled yet.
-      profiles = memory_profile.ProfileCells(request)
+      profiles = memory_report.Profile(request)
       for k, profile in zip(missing, profiles):
         self._profiles[keys[k]] = profile
       self.log(f'  profiled {len(missing)} new layer(s) in '

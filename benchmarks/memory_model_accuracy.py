@@ -55,6 +55,14 @@ flags.DEFINE_integer('measured_steps', 2, 'Steps whose peak is measured, '
 flags.DEFINE_float('tolerance', 0.15, 'The bar: |predicted/measured - 1|.')
 flags.DEFINE_integer('total_timeout_s', 5400, 'Watchdog for the whole run.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
+flags.DEFINE_string('predict_from', None, 'A JSON this benchmark wrote: '
+                    'predicts its measured configurations again from its '
+                    'stored profiles with the current memory model, '
+                    'without measuring (the measurements do not depend on '
+                    'the model).')
+flags.DEFINE_bool('reprofile', False, 'With --predict_from: profile the '
+                  'cells again with the current profiler instead of using '
+                  'the stored profiles.')
 
 MIB = 2.0**20
 
@@ -111,7 +119,7 @@ def _Configurations(model):
           yield p
 
 
-def RunModel(model, rows, log):
+def RunModel(model, rows, log, save=None):
   """Profiles each K's cells once, then measures every configuration, each
   on fresh workers: a worker that ran other configurations before peaks
   higher (TensorFlow's runtime keeps some of each), which a real run, one
@@ -132,9 +140,14 @@ def RunModel(model, rows, log):
     for i, p in enumerate(configurations):
       pending = _RunOne(model, i, p, configurations, pending, profiles, sizes,
                         example, rows, log)
+      if save:  # Each row kept as it is measured.
+        save({str(k): [c.ToDict() for c in cells]
+              for k, cells in profiles.items()})
   finally:
     if pending:
       pending.Close()
+  return {str(k): [c.ToDict() for c in cells]
+          for k, cells in profiles.items()}
 
 
 def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
@@ -145,7 +158,8 @@ def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
   if k not in profiles:
     start = time.time()
     profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
-        p, micro_batch_sizes=sizes, example=example))
+        p, micro_batch_sizes=sizes, example=example,
+        intra_op_threads=capped_workers.INTRA_OP_THREADS))
     log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
         f'in {time.time() - start:.0f}s')
   workers = pending or capped_workers.CappedWorkers(
@@ -160,20 +174,75 @@ def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
     measured = _Measure(p, workers, example, k)
   finally:
     workers.Close()
-  predicted = [d.peak_bytes for d in memory_report.PredictPeaks(
-      p, profiles[k], example)]
-  errors = [pr / me - 1 for pr, me in zip(predicted, measured)]
   pp = p.task.pipeline
   row = {'model': model, 'num_cells': k,
          'num_micro_batches': pp.num_micro_batches,
          'schedule': pp.schedule, 'remat_policy': pp.remat_policy,
          'measured_mib': [round(v / MIB, 2) for v in measured],
-         'predicted_mib': [round(v / MIB, 2) for v in predicted],
-         'worst_error': max(errors, key=abs),
          'seconds': round(time.time() - start, 1)}
+  _Predict(row, p, profiles[k], example)
   rows.append(row)
   log(_FormatRow(row))
   return pending
+
+
+def _Predict(row, p, profiles, example):
+  """Adds the memory model's prediction and its worst error to `row`."""
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  peaks = memory_report.PredictPeaks(p, profiles, example)
+  predicted = [d.peak_bytes / MIB for d in peaks]
+  row['predicted_mib'] = [round(v, 2) for v in predicted]
+  row['predicted_at'] = [d.Describe() for d in peaks]
+  row['worst_error'] = max(
+      (pr / me - 1 for pr, me in zip(predicted, row['measured_mib'])),
+      key=abs)
+
+
+def _ProfileAgain(base, example, by_k, log):
+  """Each K's cells profiled again, at the sizes of the stored profiles."""
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  profiles = {}
+  for k, cells in by_k.items():
+    sizes = sorted({m['micro_batch_size'] for m in cells[0]['measurements']})
+    p = base.Copy()
+    p.task.pipeline.num_partitions = int(k)
+    start = time.time()
+    profiles[k] = [c.ToDict() for c in memory_report.Profile(
+        memory_report.ProfileRequest(
+            p, micro_batch_sizes=sizes, example=example,
+            intra_op_threads=capped_workers.INTRA_OP_THREADS))]
+    log(f'K={k}: profiled again in {time.time() - start:.0f}s')
+  return profiles
+
+
+def PredictAgain(path, log):
+  """The rows of an earlier run, predicted again from its stored profiles."""
+  from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  with open(path) as f:
+    earlier = json.load(f)
+  rows = []
+  for model, by_k in earlier['profiles'].items():
+    base = ExperimentParams(model)
+    example = memory_report.ExampleBatch(base)
+    if FLAGS.reprofile:
+      by_k = _ProfileAgain(base, example, by_k, log)
+      earlier['profiles'][model] = by_k
+    for row in earlier['rows']:
+      if row['model'] != model:
+        continue
+      p = base.Copy()
+      p.task.pipeline.Set(num_partitions=row['num_cells'],
+                          num_micro_batches=row['num_micro_batches'],
+                          schedule=row['schedule'],
+                          remat_policy=row['remat_policy'])
+      profiles = [memory_model.CellProfile.FromDict(c)
+                  for c in by_k[str(row['num_cells'])]]
+      row = dict(row)
+      _Predict(row, p, profiles, example)
+      rows.append(row)
+      log(_FormatRow(row))
+  return rows, earlier['profiles']
 
 
 def _FormatRow(row):
@@ -184,6 +253,16 @@ def _FormatRow(row):
           f"{row['num_micro_batches']} | {row['schedule']:<5} | "
           f"{row['remat_policy']:<11} | {measured:<27} | {predicted:<27} | "
           f"{100 * row['worst_error']:+6.1f}% |{flag}")
+
+
+def _Write(bench_lib, rows, profiles):
+  bench_lib.WriteJson(FLAGS.output_json, {
+      'benchmark': 'memory_model_accuracy', 'rows': rows,
+      'profiles': profiles,
+      'models': {m: list(MODELS[m]) for m in FLAGS.models},
+      'flags': {name: FLAGS[name].value for name in (
+          'models', 'num_cells', 'micro_batches', 'remat_policies',
+          'schedules', 'measured_steps', 'tolerance')}})
 
 
 def main(argv):
@@ -201,12 +280,18 @@ def main(argv):
   bench_lib.tf.get_logger().setLevel('ERROR')
   start = time.time()
   rows = []
+  profiles = {}
   print('| model          | K | M | sched | remat       | measured MiB per '
         'device     | predicted MiB per device    | worst  |')
   print('|----------------|---|---|-------|-------------|----------------'
         '------------|-----------------------------|--------|')
-  for model in FLAGS.models:
-    RunModel(model, rows, lambda line: print(line, flush=True))
+  log = lambda line: print(line, flush=True)
+  if FLAGS.predict_from:
+    rows, profiles = PredictAgain(FLAGS.predict_from, log)
+  else:
+    for model in FLAGS.models:
+      profiles[model] = RunModel(model, rows, log, lambda done, m=model: _Write(
+          bench_lib, rows, dict(profiles, **{m: done})))
   within = [r for r in rows if abs(r['worst_error']) <= FLAGS.tolerance]
   worst = max(rows, key=lambda r: abs(r['worst_error']))
   print(f'{len(within)} of {len(rows)} configurations within '
@@ -215,12 +300,7 @@ def main(argv):
         f'K={worst["num_cells"]} M={worst["num_micro_batches"]} '
         f'{worst["schedule"]} {worst["remat_policy"]}); '
         f'{time.time() - start:.0f} s')
-  bench_lib.WriteJson(FLAGS.output_json, {
-      'benchmark': 'memory_model_accuracy', 'rows': rows,
-      'models': {m: list(MODELS[m]) for m in FLAGS.models},
-      'flags': {name: FLAGS[name].value for name in (
-          'models', 'num_cells', 'micro_batches', 'remat_policies',
-          'schedules', 'measured_steps', 'tolerance')}})
+  _Write(bench_lib, rows, profiles)
   sys.stdout.flush()
   watchdog.cancel()
   os._exit(0)  # pylint: disable=protected-access

@@ -1,5 +1,7 @@
 """What one cell does for one micro-batch: records, programs and gradients."""
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -56,3 +58,51 @@ def test_records_say_what_a_micro_batch_keeps():
   assert sorted(tuple(t.shape) for t in kept['never'].tensors
                 if t.dtype.is_floating and t.shape.rank) == [
                     (plt_test.BATCH, plt_test.DIM)] * 3
+
+
+_ONE_CELL_PEAK = r'''
+import json, sys
+import tensorflow as tf
+from tfpipe import gpipe, layers
+
+def Peak(schedule):
+  params = [layers.FCLayer.Params().Set(
+      name=f'fc{i}', input_dims=512, output_dims=512, activation='tanh',
+      random_seed=i) for i in range(8)]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name=schedule, cell_tpl=gpipe.PartitionSequentialLayers(params, 1, balance='params'),
+      num_micro_batches=8, schedule=schedule, remat_policy='always',
+      devices=['/CPU:0'], executor='graph').Instantiate()
+  x = tf.random.stateless_normal([64, 512], seed=[1, 2])
+  loss = lambda out, unused: tf.reduce_mean(tf.square(out))
+  pipe.ComputeLossAndGradients(x, None, loss)
+  peaks = []
+  for _ in range(3):
+    tf.config.experimental.reset_memory_stats('CPU:0')
+    before = tf.config.experimental.get_memory_info('CPU:0')['current']
+    out = pipe.ComputeLossAndGradients(x, None, loss)
+    float(out.loss)
+    peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'] -
+                 before)
+    del out
+  return max(peaks)
+
+print('RESULT' + json.dumps([Peak('gpipe'), Peak('1f1b')]))
+'''
+
+
+def test_one_cell_1f1b_keeps_one_micro_batch_at_a_time():
+  """K=1, M=8: each 1F1B action is a fused F+B+W; its peak stays that of
+  one micro-batch (GPipe's re-materialized step), not of several at once."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true',
+             TF_CPP_MIN_LOG_LEVEL='2')
+  proc = subprocess.run([sys.executable, '-c', _ONE_CELL_PEAK], env=env,
+                        capture_output=True, text=True, timeout=240,
+                        check=False)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT')]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  gpipe_peak, one_f_one_b_peak = json.loads(lines[-1][len('RESULT'):])
+  assert one_f_one_b_peak <= 1.15 * gpipe_peak, (one_f_one_b_peak, gpipe_peak)

@@ -28,10 +28,11 @@ _MODEL = ['--model=mlp.TinyMlp',
           'task.model.num_hidden_layers: 8']
 
 
-def _Launch(logdir, *args):
+def _Launch(logdir, num_workers, *args):
   return quiet_test.RunPython(
-      '-m', 'tfpipe.launcher', '--num_workers=2', '--device_memory_mb=25',
-      '--', *_MODEL, f'--logdir={logdir}', *args, timeout=240)
+      '-m', 'tfpipe.launcher', f'--num_workers={num_workers}',
+      '--device_memory_mb=25', '--', *_MODEL, f'--logdir={logdir}', *args,
+      timeout=240)
 
 
 def _Digests(directory):
@@ -44,17 +45,18 @@ def _Digests(directory):
                     reason='needs unshare (util-linux) for loopback servers')
 def test_a_model_too_big_for_one_capped_worker_trains_on_two(tmp_path):
   logdir = tmp_path / 'mlp'
-  planned = _Launch(logdir, '--plan=auto', '--max_steps=4',
+  planned = _Launch(logdir, 2, '--plan=auto', '--max_steps=2',
                     '--save_interval_steps=2')
   out = planned.stdout + planned.stderr
   assert planned.returncode == 0, out[-3000:]
   assert 'Plan: 2 partition(s) x 1 replica(s)' in out
   assert '[1] partition(s) fit in no configuration' in out
-  assert 'Final: step=4' in out
+  assert 'Final: step=2' in out
   checkpoints = _Digests(logdir / 'checkpoints')
-  assert 'ckpt-4.index' in checkpoints
+  assert 'ckpt-2.index' in checkpoints
 
-  forced = _Launch(logdir, '--num_partitions=1', '--max_steps=8')
+  # One capped worker: the one device the model is forced onto.
+  forced = _Launch(logdir, 1, '--num_partitions=1', '--max_steps=4')
   assert forced.returncode == out_of_memory.EXIT_OUT_OF_MEMORY, (
       forced.stdout[-2000:] + forced.stderr[-3000:])
   assert 'Traceback' not in forced.stderr
@@ -67,7 +69,7 @@ def test_a_model_too_big_for_one_capped_worker_trains_on_two(tmp_path):
       'logits)')
   assert 'Its limit is 25 MiB; the memory model predicted' in error
   assert '--plan=auto' in error
-  assert 'ckpt-4) were not touched' in error or 'ckpt-4, is kept' in error
+  assert 'ckpt-2) were not touched' in error or 'ckpt-2, is kept' in error
   assert _Digests(logdir / 'checkpoints') == checkpoints
 
 

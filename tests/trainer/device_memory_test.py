@@ -17,6 +17,7 @@ import sys
 
 import tensorflow as tf
 
+from tfpipe import memory_limit
 from tfpipe.trainer import device_memory
 
 
@@ -27,9 +28,9 @@ def test_cpu_is_reported_once_and_only_with_bfc(monkeypatch):
   # query the real allocator. Here: which devices are asked, and how often.
   monkeypatch.setattr(device_memory, '_Query',
                       lambda name: {'current': 0, 'peak': 0})
-  monkeypatch.delenv(device_memory.BFC_ENV, raising=False)
+  monkeypatch.delenv(memory_limit.BFC_ENV, raising=False)
   assert device_memory.MemoryDevices(cpus) == []
-  monkeypatch.setenv(device_memory.BFC_ENV, 'true')
+  monkeypatch.setenv(memory_limit.BFC_ENV, 'true')
   assert device_memory.MemoryDevices(cpus) == [('CPU', 'CPU:0')]
   remote = ['/job:worker/replica:0/task:0/device:CPU:0']
   assert device_memory.MemoryDevices(remote) == []
@@ -49,6 +50,7 @@ def test_peaks_are_formatted_per_device():
 
 _RESET_SCRIPT = """
 import tensorflow as tf
+from tfpipe import memory_limit
 from tfpipe.trainer import device_memory
 memory = device_memory.PeakMemory(['/CPU:0', '/CPU:1'])
 big = tf.ones([8 * 2**20 // 4]) * 2.0
@@ -62,7 +64,7 @@ print(first, second)
 
 def test_peak_resets_each_interval():
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
-  env[device_memory.BFC_ENV] = 'true'
+  env[memory_limit.BFC_ENV] = 'true'
   out = subprocess.run([sys.executable, '-c', _RESET_SCRIPT],
                        capture_output=True, text=True, timeout=120, env=env,
                        check=False)
@@ -74,7 +76,7 @@ def test_peak_resets_each_interval():
 
 def _TrainWithBfc(logdir):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
-  env[device_memory.BFC_ENV] = 'true'
+  env[memory_limit.BFC_ENV] = 'true'
   out = subprocess.run(
       [sys.executable, '-m', 'tfpipe.trainer', f'--logdir={logdir}',
        '--model=mlp.TinyMlp', '--max_steps=2', '--log_interval_steps=1',

@@ -62,3 +62,29 @@ def test_budget_lines_compare_each_device_with_the_budget():
   assert lines[2].split()[6] == 'yes' and lines[3].split()[6] == 'NO'
   assert '--plan=auto' in lines[-1]
   assert memory_report.SmallestBudgetMb(peaks) == 9
+
+
+def test_profiles_run_with_the_devices_intra_op_threads(monkeypatch):
+  """The update's working set follows how many ops run at once, so a
+  profile for devices of one intra-op thread runs in a subprocess that has
+  one, unless this process already does."""
+  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
+  from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
+  request = memory_report.ProfileRequest(_Params(), example=(None, None),
+                                         intra_op_threads=1)
+  assert request.intra_op_threads == 1
+  where = []
+  monkeypatch.setattr(memory_profile, 'ProfileCells',
+                      lambda r, log=None: where.append('here'))
+  monkeypatch.setattr(memory_profile, 'ProfileInSubprocess',
+                      lambda r, log=None: where.append('subprocess'))
+  monkeypatch.setenv(memory_limit.BFC_ENV, 'true')
+  monkeypatch.delenv(memory_limit.LIMIT_ENV, raising=False)
+  monkeypatch.delenv(memory_profile.INTRA_OP_ENV, raising=False)
+  memory_report.Profile(request)
+  monkeypatch.setenv(memory_profile.INTRA_OP_ENV, '1')
+  memory_report.Profile(request)
+  request.intra_op_threads = 0
+  monkeypatch.delenv(memory_profile.INTRA_OP_ENV)
+  memory_report.Profile(request)
+  assert where == ['subprocess', 'here', 'here']

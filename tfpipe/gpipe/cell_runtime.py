@@ -30,11 +30,11 @@ trace as one call that stays a call, so that it starts only once d loss /
 d output exists and its recomputed activations live only while it runs.
 When B(m, K-1) directly follows F(m, K-1), F, B and W are that whole trace
 as one call (nothing to keep). Backward calls are inlined into a caller's
-graph only when the pipeline is one cell, so that K=1 costs what a plain
-step costs; with more cells each stays a call, which keeps one cell's
-backward from overlapping the next one's (and their peaks from adding up). A cell whose
-trace cannot be cut is re-materialized, with B running the whole backward
-and W nothing.
+graph only when the pipeline is one cell and the step one micro-batch, so
+that K=1, M=1 costs what a plain step costs; otherwise each stays a call,
+which keeps one backward from overlapping the next one's (and their peaks
+from adding up). A cell whose trace cannot be cut is re-materialized, with
+B running the whole backward and W nothing.
 """
 
 import dataclasses
@@ -222,10 +222,15 @@ class CellRuntime:
 
     Returns (the other outputs, done token).
     """
-    if noinline is None:
-      noinline = not self._inline_backward
     connected = program.Whole(gradients.need_dx)[1].connected
     modes = gradients.Modes(connected)
+    if noinline is None:
+      # Inlined, TensorFlow overlaps one micro-batch's call with the next
+      # ones' (measured on the one-cell 1F1B step, where every action is a
+      # fused F+B+W), and their activations and weight gradients pile up:
+      # only a step's single accumulation (M=1) is inlined.
+      noinline = not self._inline_backward or any(
+          mode != accumulators.ONLY for mode in modes)
     run = self._Accumulating(program, function, num_weights, connected,
                              modes, pack, noinline)
     outputs = self._Call(run, args)

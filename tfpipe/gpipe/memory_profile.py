@@ -15,7 +15,9 @@ bytes in use after it. GPipe with M=2 gives every kind of action a cell has:
 
 run once with remat_policy='always' and once with 'never'. So what the
 memory model predicts is what this engine keeps, whatever that is; nothing
-about it is written down here.
+about it is written down here. A profile runs with the devices' intra-op
+threads (`ProfileRequest.intra_op_threads`): how many ops run at once
+decides how many working sets coexist, the optimizer update's above all.
 
 A cell that is not last gets a stand-in loss (the mean of its float
 outputs), whose gradient a real pipeline receives from the next device
@@ -45,6 +47,8 @@ import numpy as np
 from tfpipe.gpipe import memory_model
 
 _ALLOCATOR = 'CPU:0'
+# TensorFlow reads it when it starts: the intra-op threads of the process.
+INTRA_OP_ENV = 'TF_NUM_INTRAOP_THREADS'
 # Steps per configuration: the first traces; the others are recorded. The
 # order in which TensorFlow runs an action's independent ops varies, and
 # with it the action's peak (by a few percent), so each peak is the largest
@@ -329,6 +333,10 @@ class ProfileRequest:
     positions: each cell's index in the pipeline; the first gets `inputs`,
       the last the loss (default: the cells are the whole pipeline).
     num_cells: the pipeline's number of cells (default: len(cells)).
+    intra_op_threads: the threads one op may use on the devices profiled
+      for (0: TensorFlow's default). How many ops run at once, and so the
+      working set of an action (the optimizer update's above all), follows
+      it; ProfileInSubprocess profiles with it.
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -346,6 +354,7 @@ class ProfileRequest:
     # Instead of `inputs` and `targets`: input generator params whose first
     # batch the profiling process reads (so the caller runs no TF op).
     self.input_params = None
+    self.intra_op_threads = 0
 
   def Select(self, indices):
     """Keeps only the cells at these pipeline positions."""
@@ -403,6 +412,8 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
       pickle.dump(request, f)
     env = memory_limit.CappedEnv(None)
     env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    if request.intra_op_threads:
+      env[INTRA_OP_ENV] = str(request.intra_op_threads)
     root = os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
     env['PYTHONPATH'] = os.pathsep.join(

@@ -37,13 +37,15 @@ def ApplyPlan(p, plan):
       num_replicas=plan.num_replicas)
 
 
-def Choose(p, devices, log=print, example=None):
+def Choose(p, devices, log=print, example=None, intra_op_threads=0):
   """Plans the experiment for `devices` (a planner.Devices); applies and
   returns the PipelinePlan.
 
   Runs no TensorFlow op in this process (profiles run in a subprocess,
   unless `example`, a numpy (inputs, targets) batch, is given and this
   process's allocator counts), so devices can still be set up after it.
+  The profiles run with each device's `intra_op_threads` (0: TensorFlow's
+  default).
 
   Raises:
     planner.NoPlanError: nothing fits; its message names the smallest
@@ -54,7 +56,8 @@ def Choose(p, devices, log=print, example=None):
   log(f'Planning for {devices.count} device(s) of '
       f'{devices.memory_bytes / MIB:.0f} MiB: profiling the layers at '
       f'micro-batch sizes {sizes}...')
-  profiles = memory_report.PlannerProfiles(p, sizes, example, log=None)
+  profiles = memory_report.PlannerProfiles(
+      p, sizes, example, log=None, intra_op_threads=intra_op_threads)
   step = memory_report.StepConfig(p, example)
   plans = planner.CandidatePlans(
       profiles, devices, batch_size,
@@ -66,7 +69,8 @@ def Choose(p, devices, log=print, example=None):
     n = sorted(set(memory_model.MicroBatchSizes(
         batch_size // plan.num_replicas, plan.num_micro_batches)))
     cells = memory_report.Profile(memory_report.ProfileRequest(
-        candidate, micro_batch_sizes=n, example=example))
+        candidate, micro_batch_sizes=n, example=example,
+        intra_op_threads=intra_op_threads))
     refined = planner.Refine(plan, cells, devices, batch_size,
                              step.input_example_bytes,
                              step.target_example_bytes)

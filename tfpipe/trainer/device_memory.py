@@ -16,16 +16,9 @@ Devices that keep no statistics, and remote devices (a multi-host
 controller's workers), add nothing.
 """
 
-import os
-
 import tensorflow as tf
 
-BFC_ENV = 'TF_CPU_ALLOCATOR_USE_BFC'
-
-
-def CpuUsesBfc():
-  """True when TensorFlow's CPU allocator is BFC (read at its start)."""
-  return os.environ.get(BFC_ENV, '').strip().lower() in ('1', 'true')
+from tfpipe import memory_limit
 
 
 def _Query(name):
@@ -53,7 +46,7 @@ def MemoryDevices(devices):
       continue  # A remote device: its allocator is in another process.
     device_type = (spec.device_type or 'CPU').upper()
     if device_type == 'CPU':
-      if not CpuUsesBfc():
+      if not memory_limit.UsesBfc():
         continue
       label, name = 'CPU', 'CPU:0'
     else:

@@ -103,6 +103,13 @@ def _Devices(p, flag_values):
                    'workers are the devices).')
 
 
+def _IntraOpThreads(flag_values):
+  """Each device's intra-op threads (--intra_op_threads; 0: TF's default),
+  which the memory profiles run with: an action's working set follows how
+  many ops run at once."""
+  return getattr(flag_values, 'intra_op_threads', 0) or 0
+
+
 def PlanIfAsked(p, flag_values, log=print):
   """Applies --plan=auto to the params (before any device is set up).
 
@@ -123,7 +130,8 @@ def PlanIfAsked(p, flag_values, log=print):
       count=count, memory_bytes=flag_values.device_memory_mb * MIB,
       bandwidth_bytes_per_s=bandwidth * 1e6 if bandwidth else None,
       concurrent=concurrent)
-  return auto_plan.Choose(p, devices, log=log)
+  return auto_plan.Choose(p, devices, log=log,
+                          intra_op_threads=_IntraOpThreads(flag_values))
 
 
 def InspectLines(p, flag_values, devices):
@@ -135,7 +143,7 @@ def InspectLines(p, flag_values, devices):
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   example = memory_report.ExampleBatch(p)
   profiles = memory_report.Profile(memory_report.ProfileRequest(
-      p, example=example))
+      p, example=example, intra_op_threads=_IntraOpThreads(flag_values)))
   peaks = memory_report.PredictPeaks(p, profiles, example)
   return memory_report.BudgetLines(p, peaks, budget, devices)
 
@@ -153,7 +161,7 @@ def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
     from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
     example = memory_report.ExampleBatch(p)
     profiles = memory_report.Profile(memory_report.ProfileRequest(
-        p, example=example))
+        p, example=example, intra_op_threads=_IntraOpThreads(flag_values)))
     return memory_report.PredictPeaks(p, profiles, example)
   return trainer_oom.Diagnosis(
       p, devices, limit_mb=limit, shared_limit=shared,

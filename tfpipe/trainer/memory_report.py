@@ -11,6 +11,7 @@ out-of-memory error quotes it.
 """
 
 import math
+import os
 
 from tfpipe import cost_model
 from tfpipe import memory_limit
@@ -52,7 +53,8 @@ def StepMicroBatchSizes(p):
       ReplicaBatchSize(p), p.task.pipeline.num_micro_batches)))
 
 
-def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None):
+def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
+                   intra_op_threads=0):
   """A memory_profile.ProfileRequest for the experiment's cells.
 
   Args:
@@ -61,6 +63,8 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None):
     micro_batch_sizes: sizes to profile (default: the step's).
     example: (inputs, targets) numpy batch; None: the profiling process
       reads one of p.input's (this process runs no TensorFlow op).
+    intra_op_threads: each device's intra-op threads (0: TensorFlow's
+      default), which the profile runs with.
   """
   model = p.task.model.Instantiate()
   if cells is None:
@@ -72,13 +76,17 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None):
       p.task.train.optimizer, p.task.train.clip_gradient_norm)
   if example is None:
     request.input_params = p.input
+  request.intra_op_threads = intra_op_threads
   return request
 
 
 def Profile(request, log=None):
   """The request's CellProfiles: in this process if its allocator counts
-  bytes and has no limit (a benchmark's), else in a subprocess that does."""
-  if memory_limit.UsesBfc() and memory_limit.LimitMb() is None:
+  bytes, has no limit and runs the devices' threads (a benchmark's), else in
+  a subprocess that does."""
+  threads = os.environ.get(memory_profile.INTRA_OP_ENV, '0')
+  if (memory_limit.UsesBfc() and memory_limit.LimitMb() is None and
+      str(request.intra_op_threads or 0) == threads):
     return memory_profile.ProfileCells(request, log=log)
   return memory_profile.ProfileInSubprocess(request, log=log)
 
@@ -174,11 +182,12 @@ def LayerCells(p):
           for i, layer in enumerate(layers)]
 
 
-def PlannerProfiles(p, micro_batch_sizes, example=None, log=None):
+def PlannerProfiles(p, micro_batch_sizes, example=None, log=None,
+                    intra_op_threads=0):
   """gpipe.planner.LayerProfiles of the experiment's layers."""
   from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
   request = ProfileRequest(p, cells=LayerCells(p),
                            micro_batch_sizes=micro_batch_sizes,
-                           example=example)
+                           example=example, intra_op_threads=intra_op_threads)
   profiles = Profile(request, log=log)
   return planner.LayerProfiles(profiles, profiles[-1])
