@@ -84,15 +84,15 @@ def _Role(flag_values):
       'cluster') else ''
 
 
-def _Devices(p, flag_values):
+def _Devices(flag_values):
   """(number of devices, whether they compute at the same time) for a plan."""
   from tfpipe import devices as devices_lib  # pylint: disable=g-import-not-at-top
   resolved = multihost.ClusterFromFlags(flag_values)
   if resolved is not None:
     workers = cluster_spec.JobTasks(resolved[0], cluster_spec.WORKER_JOB)
-    # TensorFlow runs one graph's stages on CPU workers one after another.
-    return (len(workers) * flag_values.devices_per_worker,
-            p.task.pipeline.executor == 'threads')
+    # Worker processes compute at the same time under either executor: one
+    # graph over them is partitioned per worker, and the parts overlap.
+    return len(workers) * flag_values.devices_per_worker, True
   device_type = devices_lib.ChooseDeviceType(flag_values.run_locally)
   if flag_values.num_devices:
     return flag_values.num_devices, device_type == 'GPU'
@@ -124,12 +124,15 @@ def PlanIfAsked(p, flag_values, log=print):
   if not flag_values.device_memory_mb:
     raise ValueError('--plan=auto plans for a per-device memory: pass '
                      '--device_memory_mb.')
-  count, concurrent = _Devices(p, flag_values)
+  count, concurrent = _Devices(flag_values)
   bandwidth = flag_values.neighbour_bandwidth_mbps
   devices = planner.Devices(
       count=count, memory_bytes=flag_values.device_memory_mb * MIB,
       bandwidth_bytes_per_s=bandwidth * 1e6 if bandwidth else None,
       concurrent=concurrent)
+  if multihost.ClusterFromFlags(flag_values) is not None:
+    # A controller drives the workers: each step pays remote calls.
+    devices = planner.RemoteWorkers(devices)
   return auto_plan.Choose(p, devices, log=log,
                           intra_op_threads=_IntraOpThreads(flag_values))
 
