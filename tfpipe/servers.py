@@ -22,6 +22,7 @@ a set of them with a deadline, and the controller's watchdog
 TensorFlow is imported only inside the functions that need it.
 """
 
+import os
 import socket
 import sys
 import time
@@ -106,6 +107,15 @@ def StartServer(cluster_spec, job, task, bind_address='127.0.0.1',
     ValueError: see CheckBindAddress; or the spec has no such task.
     RuntimeError: the server did not start (e.g. its port is in use).
   """
+  # The ConfigProto below sizes the pools of graph sessions only; the
+  # functions a controller runs here (eager remote execution, which is how
+  # tfpipe drives workers) use the process's default pools, sized from
+  # these variables when the runtime starts. Without them a worker asked
+  # for one thread ran its ops on as many as the machine has cores.
+  for variable, threads in (('TF_NUM_INTRAOP_THREADS', intra_op_threads),
+                            ('TF_NUM_INTEROP_THREADS', inter_op_threads)):
+    if threads:
+      os.environ[variable] = str(threads)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   name = cluster_spec_lib.TaskName(job, task)
   address = _TaskAddress(cluster_spec, job, task)

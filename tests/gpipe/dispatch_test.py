@@ -278,3 +278,33 @@ def _AssertStartsAfterInputs(tl):
         action, prerequisite)
     assert action.micro_batch == prerequisite.micro_batch, (action,
                                                              prerequisite)
+
+
+def test_a_device_waits_for_the_outputs_of_its_previous_pure_forward():
+  """OrderAfter's edge comes from a read of the previous action's output.
+
+  A control edge on the output of an inlined, stateless function call waits
+  for nothing once Grappler inlines it, so the next action on the device
+  must depend on something that consumes the output's data.
+  """
+  forward = tf.function(lambda x: tf.tanh(tf.matmul(x, x)))
+  captured = {}
+
+  @tf.function
+  def Step(x):
+    y = forward(x)
+    with dispatch.OrderAfter([y]):
+      z = tf.identity(x)
+    captured['y'], captured['z'] = y, z
+    return z
+
+  Step.get_concrete_function(tf.TensorSpec([4, 4], tf.float32))
+  y, z = captured['y'], captured['z']
+
+  def Consumes(op, tensor, depth=3):
+    return any(t is tensor or (depth and Consumes(t.op, tensor, depth - 1))
+               for t in op.inputs)
+
+  assert z.op.control_inputs, 'no ordering edge'
+  assert all(Consumes(op, y) for op in z.op.control_inputs), [
+      op.type for op in z.op.control_inputs]

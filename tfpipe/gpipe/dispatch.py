@@ -8,8 +8,8 @@ is done. There are two dispatchers:
 
   Inline   every action from the calling thread, in one global order that
            respects each device's order (schedule.Validate returns it). In a
-           graph, each action gets a control dependency on its device's
-           previous action, so the runtime keeps each device's order (which
+           graph, each action waits for its device's previous action's
+           outputs (OrderAfter), so the runtime keeps each device's order (which
            is what bounds 1F1B's memory) while different devices can still
            run at the same time. This is the dispatcher for accelerators,
            whose runtimes overlap independent work of one graph, and the only
@@ -45,11 +45,26 @@ from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-dir
 
 
 def OrderAfter(previous):
-  """Control dependency on the previous action of a device (graph mode only)."""
+  """Makes what follows wait for the previous action of a device (graph mode).
+
+  A control edge on an action's outputs is not enough: Grappler inlines the
+  action's function call, and a control edge from an inlined call waits only
+  for the call's stateful ops, so the next action would not wait for a pure
+  forward. A device that runs one op at a time (a worker process with one
+  inter-op thread) then runs every micro-batch's first layer, then every
+  one's second, and hands its first activation on only when all are done:
+  the stages serialize. So the edge comes from a read of one element of
+  each output, which exists only once the output does.
+  """
   if not previous or tf.executing_eagerly():
     return contextlib.nullcontext()
-  deps = [t.values if isinstance(t, tf.IndexedSlices) else t
-          for t in previous if t is not None and not isinstance(t, tf.Variable)]
+  deps = []
+  for t in previous:
+    if t is None or isinstance(t, tf.Variable):
+      continue
+    if isinstance(t, tf.IndexedSlices):
+      t = t.values
+    deps.append(tf.reshape(t, [-1])[:1] if _IsData(t) else t)
   return tf.control_dependencies(deps) if deps else contextlib.nullcontext()
 
 

@@ -3,8 +3,8 @@
 A schedule says, for each device, in which order it runs the forward (F),
 backward (B) and, for zero-bubble schedules, weight-gradient (W) passes of
 each (micro-batch m, cell k). Everything else follows from that list: the
-runtime issues the actions in that order (adding control dependencies so the
-runtime cannot reorder them), the simulator predicts the makespan and
+runtime issues the actions in that order (each waiting for its device's
+previous action, so the runtime cannot reorder them), the simulator predicts the makespan and
 bubble, `TextTimeline` prints it, and `Validate` proves that it cannot
 deadlock before anything runs.
 
