@@ -42,7 +42,6 @@ import time
 from absl import app
 from absl import flags
 
-from benchmarks import pipeline_efficiency
 from tfpipe import network_namespace
 from tfpipe import quiet
 
@@ -307,4 +306,8 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  # pipeline_efficiency's flags (--dim, --batch, the workers' threads) are
+  # this program's too. It is imported only here: its --mode clashes with the
+  # trainer's in a process that imports both, as the test suite does.
+  from benchmarks import pipeline_efficiency  # pylint: disable=g-import-not-at-top
   app.run(main)
