@@ -64,7 +64,10 @@ def OrderAfter(previous):
       continue
     if isinstance(t, tf.IndexedSlices):
       t = t.values
-    deps.append(tf.reshape(t, [-1])[:1] if _IsData(t) else t)
+    if _IsData(t):
+      with tf.device(t.device):  # On the tensor's device, wherever issued.
+        t = tf.reshape(t, [-1])[:1]
+    deps.append(t)
   return tf.control_dependencies(deps) if deps else contextlib.nullcontext()
 
 
