@@ -82,11 +82,13 @@ flags.DEFINE_integer('batch', 8192, 'Global batch size. Large enough that '
 flags.DEFINE_string('schedule', 'gpipe', 'A key of gpipe.schedule.SCHEDULES; '
                     'benchmarks/schedules.py compares them side by side.')
 flags.DEFINE_integer('reps', 7, 'Timed repetitions per configuration.')
-flags.DEFINE_integer('worker_inter_op_threads', 1, 'Inter-op threads of each '
-                     'worker. 1 is strictly one op at a time, but then a '
-                     "stage's sends wait behind its next compute op; 2 lets "
-                     'sends and receives proceed while the schedule\'s '
-                     'control dependencies still serialize the actions.')
+flags.DEFINE_integer('worker_inter_op_threads', 2, 'Inter-op threads of each '
+                     'worker. A worker still computes one op at a time: '
+                     'its actions run on the single-threaded executor, one '
+                     'after the other; the second thread hands tensors on '
+                     'meanwhile. With 1, a worker hands nothing on until it '
+                     'has nothing left to compute, and the stages serialize '
+                     '(tfpipe/gpipe/cell_runtime.py).')
 flags.DEFINE_integer('startup_timeout_s', 90, 'Deadline for workers to listen.')
 flags.DEFINE_integer('total_timeout_s', 540, 'Watchdog for the whole run.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')

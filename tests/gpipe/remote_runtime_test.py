@@ -56,6 +56,22 @@ def _Serve(spec, task):
                 inter_op_threads=2)
 
 
+def _ActionExecutors(pipe, x, y):
+  """{executor type: number of the step's action calls on a worker}."""
+  # pylint: disable=g-import-not-at-top
+  import collections
+  import tensorflow as tf
+  from tests.gpipe import pipelining_layer_test as plt_test
+  graph = tf.function(lambda: pipe.ComputeLossAndGradients(
+      x, y, plt_test._Loss).loss).get_concrete_function().graph  # pylint: disable=protected-access
+  counts = collections.Counter()
+  for op in graph.get_operations():
+    if (op.type in ('PartitionedCall', 'StatefulPartitionedCall') and
+        '/job:worker' in op.device):
+      counts[op.get_attr('executor_type').decode() or 'default'] += 1
+  return dict(counts)
+
+
 def _Probe():
   """Starts the workers, checks every configuration, prints JSON lines."""
   # pylint: disable=g-import-not-at-top
@@ -93,6 +109,8 @@ def _Probe():
           round_robin_placement=c['num_cells'] > c['num_devices']
       ).Instantiate()
       out = pipe.ComputeLossAndGradients(x, y, plt_test._Loss)  # pylint: disable=protected-access
+      executors = _ActionExecutors(pipe, x, y) if (
+          pipe.ResolvedExecutor(x) == 'graph') else {}
       placed = sorted({tf.DeviceSpec.from_string(v.value.device).job
                        for v in pipe.trainable_variables})
       errors = [float(abs(out.loss - ref_loss))] + [
@@ -102,7 +120,8 @@ def _Probe():
           'name': name, 'executor': pipe.ResolvedExecutor(x),
           'jobs': placed, 'num_gradients': len(out.gradients),
           'loss_error': errors[0], 'worst_gradient_error': max(errors[1:]),
-          'loss_scale': float(ref_loss)}), flush=True)
+          'loss_scale': float(ref_loss), 'action_executors': executors}),
+            flush=True)
   finally:
     children.Close()
 
@@ -127,6 +146,16 @@ def test_every_schedule_on_worker_processes_equals_one_process():
     assert check['worst_gradient_error'] <= 1.0, check
     if not name.endswith('/threads'):
       assert check['executor'] == 'graph', check
+      # On a worker's CPU every action is a call on the single-threaded
+      # executor, so that a worker computes one op at a time and its other
+      # thread hands tensors on (cell_runtime.py); a replica's cell reading
+      # replica 0's variables spans two devices, which that executor
+      # cannot run.
+      executors = check['action_executors']
+      if name.endswith('replicas'):
+        assert executors.get('default', 0) > 0, check
+      else:
+        assert list(executors) == ['SINGLE_THREADED_EXECUTOR'], check
 
 
 if __name__ == '__main__':

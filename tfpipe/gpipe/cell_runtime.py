@@ -35,13 +35,29 @@ that K=1, M=1 costs what a plain step costs; otherwise each stays a call,
 which keeps one backward from overlapping the next one's (and their peaks
 from adding up). A cell whose trace cannot be cut is re-materialized, with
 B running the whole backward and W nothing.
+
+On a CPU of a worker process (a tf.distribute.Server task), every action
+of a graph step is a call that stays a call and runs on TensorFlow's
+single-threaded executor (OnWorkerCpu). A worker runs its part of the step
+on its inter-op threads, and a call that finishes there queues what became
+ready (the _Send handing its output to the next worker among them) at the
+front of that thread's queue, behind which the device's next action then
+queues its own ops: with one inter-op thread, a worker handed nothing on
+until it had nothing left to do, and the stages ran one after the other
+(benchmarks/RESULTS.md, issue 23). With two, the second thread hands
+tensors on while the first computes, and the single-threaded executor
+keeps each action's ops on one thread, one at a time, so a worker still
+computes on one core.
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.eager import context  # pylint: disable=g-direct-tensorflow-import
 
+from tfpipe import device_names
 from tfpipe import placement
 from tfpipe.gpipe import accumulators
 from tfpipe.gpipe import cell_program
@@ -50,6 +66,17 @@ from tfpipe.gpipe import split_backward
 
 # Errors a cell raises when its layers do not fit its input.
 CELL_ERRORS = (ValueError, TypeError, tf.errors.InvalidArgumentError)
+
+SINGLE_THREADED_EXECUTOR = 'SINGLE_THREADED_EXECUTOR'
+
+
+def OnWorkerCpu(device):
+  """Whether `device` is a CPU of another process's server (a worker)."""
+  spec = tf.DeviceSpec.from_string(device)
+  if (spec.device_type or 'CPU') != 'CPU' or spec.job in (None, 'localhost'):
+    return False
+  local = tf.DeviceSpec.from_string(context.context().host_address_space())
+  return (spec.job, spec.task or 0) != (local.job, local.task or 0)
 
 
 @dataclasses.dataclass
@@ -134,6 +161,7 @@ class CellRuntime:
     self.index = index
     self.device = device
     self._inline_backward = inline_backward
+    self._on_worker_cpu = None  # OnWorkerCpu(device), once connected.
     self.accumulators = accumulators.GradientAccumulators(device)
     self.programs = cell_program.ProgramCache()
     self._describe_error = describe_error
@@ -177,8 +205,30 @@ class CellRuntime:
         raise
       raise self._describe_error(self.index, x, e) from e
 
+  def _SingleThreadedCalls(self):
+    """Whether graph actions are single-threaded calls (module docstring).
+
+    Only for a cell whose variables are all on its device: the
+    single-threaded executor cannot run a function that spans devices, as
+    a replica's cell reading replica 0's variables does.
+    """
+    if tf.executing_eagerly():
+      return False
+    if self._on_worker_cpu is None:
+      self._on_worker_cpu = OnWorkerCpu(self.device) and all(
+          device_names.SameDevice(v.device, self.device)
+          for v in self.Variables())
+    return self._on_worker_cpu
+
+  def _Action(self, program, function):
+    """`function` as this device's actions call it: a call that stays one
+    on a worker's CPU, else as it is."""
+    if self._SingleThreadedCalls():
+      return _NoInline(program, function, single_threaded=True)
+    return function
+
   def _Call(self, function, args):
-    with tf.device(self.device):
+    with tf.device(self.device), _SingleThreaded(self._SingleThreadedCalls()):
       return _List(function(*args))
 
   def _Accumulating(self, program, function, num_weights, connected, modes,
@@ -195,8 +245,10 @@ class CellRuntime:
     """
     variables = [program.variables[i] for i in connected]
 
+    single_threaded = self._SingleThreadedCalls()
+
     def Run(*args):
-      with tf.device(self.device):
+      with tf.device(self.device), _SingleThreaded(single_threaded):
         outputs = _List(function(*args))
         split = len(outputs) - num_weights
         updates, kept = self.accumulators.Add(
@@ -206,7 +258,7 @@ class CellRuntime:
         return outputs[:split] + kept + [done]
     if not tf.executing_eagerly() and not noinline:
       return Run
-    key = (id(function), modes, noinline)
+    key = (id(function), modes, noinline, single_threaded)
     if key not in program.actions:
       attributes = {'_noinline': True} if noinline else None
       with cell_program.Tracing():
@@ -229,8 +281,8 @@ class CellRuntime:
       # ones' (measured on the one-cell 1F1B step, where every action is a
       # fused F+B+W), and their activations and weight gradients pile up:
       # only a step's single accumulation (M=1) is inlined.
-      noinline = not self._inline_backward or any(
-          mode != accumulators.ONLY for mode in modes)
+      noinline = (not self._inline_backward or self._SingleThreadedCalls() or
+                  any(mode != accumulators.ONLY for mode in modes))
     run = self._Accumulating(program, function, num_weights, connected,
                              modes, pack, noinline)
     outputs = self._Call(run, args)
@@ -269,20 +321,21 @@ class CellRuntime:
       traced = program.Whole(need_dx)[1].traced
       values = dict(zip([t.name for t in traced.inputs], present))
       results = self._Run(inputs.x, lambda: self._Call(
-          part.function, [values[n] for n in part.feeds]))
+          self._Action(program, part.function),
+          [values[n] for n in part.feeds]))
       values.update(zip(part.fetches, results))
       record = KeptResiduals(program, {t.name: values[t.name]
                                        for t in cut.residuals})
     elif keep == 'input' and loss_fn is not None:
       results = self._Run(inputs.x, lambda: self._Call(
-          program.LossGradient(), present))
+          self._Action(program, program.LossGradient()), present))
       cell_inputs = ActionInputs(inputs.x, inputs.seed, inputs.offset)
       record = KeptInput(
           self._Program(cell_inputs, variables, training, None),
           cell_inputs.Present(), results[program.num_forward:])
     else:
-      results = self._Run(inputs.x, lambda: self._Call(program.Forward(),
-                                                       present))
+      results = self._Run(inputs.x, lambda: self._Call(
+          self._Action(program, program.Forward()), present))
       if keep:
         record = KeptInput(program, present)
     forward, stats = program.Outputs(results[:program.num_forward])
@@ -334,11 +387,14 @@ class CellRuntime:
       return dx, None, [done]
     if isinstance(record, KeptInput):
       part = cut.Part(split_backward.RECOMPUTE_INPUT_GRADIENT)
-      function = _NoInline(program, part.function)
+      function = _NoInline(program, part.function,
+                           self._SingleThreadedCalls())
     else:
       part = cut.Part(split_backward.INPUT_GRADIENT)
-      function = (part.function if self._inline_backward else
-                  _NoInline(program, part.function))
+      function = (part.function if self._inline_backward and
+                  not self._SingleThreadedCalls() else
+                  _NoInline(program, part.function,
+                            self._SingleThreadedCalls()))
     results = self._Call(function, [values[n] for n in part.feeds])
     values.update(zip(part.fetches, results))
     weight_feeds = cut.Part(split_backward.WEIGHT_GRADIENT).feeds
@@ -356,19 +412,37 @@ class CellRuntime:
     return done
 
 
-def _NoInline(program, function):
+def _NoInline(program, function, single_threaded=False):
   """`function` as a call that stays a call inside a caller's graph.
 
   A re-materialized backward must start only when all its inputs exist
   (d loss / d output included), so the recomputed activations live only
   during it; inlined, its forward ops would run as soon as the cell's
   input exists, and Grappler could merge them with the first forward.
+  With `single_threaded`, the calls inside it run on the single-threaded
+  executor too (see _SingleThreaded).
   """
-  key = ('noinline', id(function))
+  key = ('noinline', id(function), single_threaded)
   if key not in program.actions:
+    def Call(*args):
+      with _SingleThreaded(single_threaded):
+        return function(*args)
     with cell_program.Tracing():
       program.actions[key] = (function, tf.function(
-          lambda *args: function(*args), autograph=False,
+          Call, autograph=False,
           experimental_attributes={'_noinline': True}).get_concrete_function(
               *function.structured_input_signature[0]))
   return program.actions[key][1]
+
+
+def _SingleThreaded(enabled):
+  """Calls made in it run on the single-threaded executor, if `enabled`.
+
+  A call run by the single-threaded executor holds its inter-op thread
+  until it returns; a call inside it on the default executor would queue
+  its ops for the other threads, and a worker whose threads all hold such
+  calls (two devices, two threads) would wait forever.
+  """
+  if not enabled:
+    return contextlib.nullcontext()
+  return tf.experimental.function_executor_type(SINGLE_THREADED_EXECUTOR)
