@@ -363,7 +363,7 @@ def test_errors():
 
 
 @pytest.mark.parametrize('executor', ['graph', 'threads'])
-def test_train_step_places_every_op_on_its_stages_device(executor):
+def test_train_step_places_every_op_on_its_cells_device(executor):
   """Keras fit's traced step (and the update) leave no op unplaced."""
   from tfpipe import placement  # pylint: disable=g-import-not-at-top
   model = _Functional()
