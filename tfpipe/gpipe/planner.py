@@ -44,6 +44,7 @@ smallest per-device memory that would fit.
 
 import dataclasses
 import math
+import os
 from typing import List, Optional, Sequence
 
 from tfpipe.gpipe import memory_model
@@ -70,6 +71,9 @@ class Devices:
     step_call_s: the controller's fixed cost per step: calling the step
       function over the devices and the update (RemoteWorkers sets it for
       worker processes).
+    computing_at_once: of concurrent devices, how many can compute at the
+      same time (None: all). Worker processes on one host share its cores:
+      `HostComputingAtOnce` of them run at once and the others wait.
   """
   count: int
   memory_bytes: float
@@ -77,6 +81,17 @@ class Devices:
   latency_s: float = 0.0
   concurrent: bool = True
   step_call_s: float = 0.0
+  computing_at_once: Optional[int] = None
+
+
+def HostComputingAtOnce(intra_op_threads=0, cores=None):
+  """How many worker processes of this host compute at the same time: its
+  cores over each one's intra-op threads (0: TensorFlow's default, one per
+  core), at least one."""
+  if cores is None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(
+        os, 'sched_getaffinity') else (os.cpu_count() or 1)
+  return max(1, cores // (intra_op_threads or cores))
 
 
 # What driving worker processes from a controller costs, beyond compute
@@ -268,17 +283,29 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
   sim = schedule_lib.Simulate(sched, forward_costs=forward,
                               backward_costs=[max(b, 1e-12)
                                               for b in backward])
+  busy = (compute + parts['recompute']) * num_replicas
   parts = {name: value / num_cells for name, value in parts.items()}
   parts['bubble'] = sim.idle_time / num_cells
   parts['update'] = max(update)
-  if num_replicas > 1 and devices.bandwidth_bytes_per_s:
+  makespan = sim.makespan
+  at_once = devices.computing_at_once
+  if at_once and at_once < num_cells * num_replicas:
+    # More devices than can compute at once: they take turns, so the step
+    # lasts at least their summed compute (and updates) over `at_once`.
+    makespan = max(makespan, busy / at_once)
+    parts['taking turns'] = makespan - sim.makespan
+    parts['update'] = max(parts['update'],
+                          sum(update) * num_replicas / at_once)
+  if num_replicas > 1:
+    bandwidth = devices.bandwidth_bytes_per_s
     parts['gradient sum'] = max(
-        devices.latency_s + c.variable_bytes / devices.bandwidth_bytes_per_s
+        devices.latency_s +
+        (c.variable_bytes / bandwidth if bandwidth else 0.0)
         for c in cells) * math.ceil(math.log2(num_replicas))
   parts['step calls'] = devices.step_call_s
-  return sim.makespan + sum(v for k, v in parts.items()
-                            if k in ('update', 'gradient sum', 'step calls')
-                            ), parts
+  return makespan + sum(v for k, v in parts.items()
+                        if k in ('update', 'gradient sum', 'step calls')
+                        ), parts
 
 
 # ---- the search ----------------------------------------------------------------
