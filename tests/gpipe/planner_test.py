@@ -119,7 +119,7 @@ def test_remote_workers_pay_the_step_calls_and_transfer_latency(concurrent):
   remote = planner.RemoteWorkers(local)
   local_s, _ = planner.StepTime(cells, step, local)
   remote_s, parts = planner.StepTime(cells, step, remote)
-  assert parts['step calls'] == 2 * planner.REMOTE_STEP_FUNCTION_CALL_S
+  assert parts["step calls"] > 2 * planner.REMOTE_STEP_FUNCTION_CALL_S
   assert parts['transfers'] > 0
   assert remote_s > local_s + parts['step calls']
 

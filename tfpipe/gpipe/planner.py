@@ -28,9 +28,12 @@ Predicted step time, from the profiled seconds of each action:
     (benchmarks/RESULTS.md, "Issue 23").
 A profiled action's time includes its fixed cost (a function call); a cell
 of several layers pays it once, so it is counted once per action. Worker
-processes driven by a controller (RemoteWorkers) also pay two function calls
-per step and each transfer's send/recv latency, as measured by
-benchmarks/remote_action_costs.py.
+processes driven by a controller (RemoteWorkers) also pay the trainer's
+per-step work, two function calls per step and each transfer's send/recv
+latency, as measured by benchmarks/remote_action_costs.py and
+benchmarks/planner_check.py. Worker processes on one host share its cores:
+only `Devices.computing_at_once` of them compute at the same time, and the
+step lasts at least their summed compute over that number.
 
 A cell of several layers is estimated from its layers' profiles
 (`CombineLayers`): what they keep adds up, a re-materialized backward holds
@@ -97,18 +100,34 @@ def HostComputingAtOnce(intra_op_threads=0, cores=None):
 # What driving worker processes from a controller costs, beyond compute
 # (benchmarks/remote_action_costs.py; benchmarks/RESULTS.md, "Issue 23"):
 # one call of a function over the workers, and one activation or gradient
-# handed from worker to worker by send/recv.
+# handed from worker to worker by send/recv, at loopback speed on one host.
 REMOTE_STEP_FUNCTION_CALL_S = 3e-3
 REMOTE_TRANSFER_LATENCY_S = 2e-3
+LOOPBACK_BANDWIDTH_BYTES_PER_S = 1.5e9
+# The trainer's own work per step on worker processes, beyond the two calls
+# (benchmarks/RESULTS.md, "planner_check.py": a model of negligible compute
+# on the launcher's workers): the batch sent to the first worker, the loss
+# and gradient norm read back, the step counter; and what each further
+# worker the step spans adds.
+REMOTE_TRAINER_STEP_S = 16e-3
+REMOTE_STEP_PER_WORKER_S = 4.5e-3
 
 
-def RemoteWorkers(devices):
+def RemoteWorkers(devices, same_host=False):
   """`devices` as worker processes driven by a controller over gRPC: each
-  step pays two function calls (the step and the update), and each transfer
-  between neighbours the send/recv latency."""
+  step pays the trainer's per-step work and two function calls (the step
+  and the update), and each transfer between neighbours the send/recv
+  latency; workers on the controller's host (`same_host`) send at loopback
+  speed unless a bandwidth is given."""
+  per_step = (REMOTE_TRAINER_STEP_S + 2 * REMOTE_STEP_FUNCTION_CALL_S +
+              REMOTE_STEP_PER_WORKER_S * (devices.count - 1))
+  bandwidth = devices.bandwidth_bytes_per_s
+  if same_host and not bandwidth:
+    bandwidth = LOOPBACK_BANDWIDTH_BYTES_PER_S
   return dataclasses.replace(
       devices, latency_s=max(devices.latency_s, REMOTE_TRANSFER_LATENCY_S),
-      step_call_s=max(devices.step_call_s, 2 * REMOTE_STEP_FUNCTION_CALL_S))
+      step_call_s=max(devices.step_call_s, per_step),
+      bandwidth_bytes_per_s=bandwidth)
 
 
 @dataclasses.dataclass

@@ -142,7 +142,7 @@ def PlanIfAsked(p, flag_values, log=print):
       concurrent=concurrent, computing_at_once=at_once)
   if multihost.ClusterFromFlags(flag_values) is not None:
     # A controller drives the workers: each step pays remote calls.
-    devices = planner.RemoteWorkers(devices)
+    devices = planner.RemoteWorkers(devices, same_host=at_once is not None)
   return auto_plan.Choose(p, devices, log=log,
                           intra_op_threads=_IntraOpThreads(flag_values))
 
