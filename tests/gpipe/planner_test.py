@@ -119,9 +119,15 @@ def test_remote_workers_pay_the_step_calls_and_transfer_latency(concurrent):
   remote = planner.RemoteWorkers(local)
   local_s, _ = planner.StepTime(cells, step, local)
   remote_s, parts = planner.StepTime(cells, step, remote)
-  assert parts["step calls"] > 2 * planner.REMOTE_STEP_FUNCTION_CALL_S
+  assert parts['per step'] > 2 * planner.REMOTE_STEP_FUNCTION_CALL_S
   assert parts['transfers'] > 0
-  assert remote_s > local_s + parts['step calls']
+  assert remote_s > local_s + parts['per step']
+  # A step spanning more workers costs the controller more.
+  more = planner.RemoteWorkers(planner.Devices(4, 1e12))
+  assert more.step_call_s > remote.step_call_s
+  # Workers on the controller's host send at loopback speed.
+  assert remote.bandwidth_bytes_per_s is None
+  assert planner.RemoteWorkers(local, same_host=True).bandwidth_bytes_per_s
 
 
 def test_host_computing_at_once_is_its_cores_over_each_workers_threads():
@@ -159,4 +165,4 @@ def test_replicas_taking_turns_pay_for_every_replica():
   two, parts = planner.StepTime(cells, step, planner.Devices(
       4, 1e12, computing_at_once=1, latency_s=0.01), num_replicas=2)
   assert parts['gradient sum'] == 0.01
-  assert two >= 2 * (one - parts['step calls']) + parts['gradient sum']
+  assert two >= 2 * (one - parts['per step']) + parts['gradient sum']

@@ -71,9 +71,9 @@ class Devices:
     concurrent: whether the devices compute at the same time
       (accelerators, and CPU worker processes with either executor); False
       for logical CPU devices of one process, which share its threads.
-    step_call_s: the controller's fixed cost per step: calling the step
-      function over the devices and the update (RemoteWorkers sets it for
-      worker processes).
+    step_call_s: the controller's fixed cost per step: its own work (the
+      batch in, the loss out) and calling the step function over the
+      devices and the update (RemoteWorkers sets it for worker processes).
     computing_at_once: of concurrent devices, how many can compute at the
       same time (None: all). Worker processes on one host share its cores:
       `HostComputingAtOnce` of them run at once and the others wait.
@@ -297,7 +297,7 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
   if not devices.concurrent:
     parts = {name: value * num_replicas for name, value in parts.items()}
     parts['update'] = sum(update)
-    parts['step calls'] = devices.step_call_s
+    parts['per step'] = devices.step_call_s
     return sum(parts.values()), parts
   sim = schedule_lib.Simulate(sched, forward_costs=forward,
                               backward_costs=[max(b, 1e-12)
@@ -321,9 +321,9 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
         devices.latency_s +
         (c.variable_bytes / bandwidth if bandwidth else 0.0)
         for c in cells) * math.ceil(math.log2(num_replicas))
-  parts['step calls'] = devices.step_call_s
+  parts['per step'] = devices.step_call_s
   return makespan + sum(v for k, v in parts.items()
-                        if k in ('update', 'gradient sum', 'step calls')
+                        if k in ('update', 'gradient sum', 'per step')
                         ), parts
 
 
