@@ -119,6 +119,50 @@ def test_remote_workers_pay_the_step_calls_and_transfer_latency(concurrent):
   remote = planner.RemoteWorkers(local)
   local_s, _ = planner.StepTime(cells, step, local)
   remote_s, parts = planner.StepTime(cells, step, remote)
-  assert parts['step calls'] == 2 * planner.REMOTE_STEP_FUNCTION_CALL_S
+  assert parts['per step'] > 2 * planner.REMOTE_STEP_FUNCTION_CALL_S
   assert parts['transfers'] > 0
-  assert remote_s > local_s + parts['step calls']
+  assert remote_s > local_s + parts['per step']
+  # A step spanning more workers costs the controller more.
+  more = planner.RemoteWorkers(planner.Devices(4, 1e12))
+  assert more.step_call_s > remote.step_call_s
+  # Workers on the controller's host send at loopback speed.
+  assert remote.bandwidth_bytes_per_s is None
+  assert planner.RemoteWorkers(local, same_host=True).bandwidth_bytes_per_s
+
+
+def test_host_computing_at_once_is_its_cores_over_each_workers_threads():
+  assert planner.HostComputingAtOnce(intra_op_threads=1, cores=2) == 2
+  assert planner.HostComputingAtOnce(intra_op_threads=0, cores=2) == 1
+  assert planner.HostComputingAtOnce(intra_op_threads=4, cores=2) == 1
+  assert planner.HostComputingAtOnce(intra_op_threads=2, cores=16) == 8
+
+
+def test_devices_beyond_those_computing_at_once_take_turns():
+  cells = [_Layer(4), _Layer(4), _Layer(4), _Layer(4, True)]
+  step = memory_model.StepConfig('gpipe', 4, 16, 'never')
+  all_at_once, _ = planner.StepTime(cells, step, planner.Devices(4, 1e12))
+  one_at_a_time, parts = planner.StepTime(
+      cells, step, planner.Devices(4, 1e12, computing_at_once=1))
+  # One at a time, a step lasts at least every action and every update.
+  busy = parts['compute'] * len(cells)
+  updates = sum(c.update_s for c in cells)
+  assert parts['taking turns'] > 0 and parts['update'] == updates
+  assert one_at_a_time >= busy + updates > all_at_once
+  two, _ = planner.StepTime(cells, step,
+                            planner.Devices(4, 1e12, computing_at_once=2))
+  assert all_at_once < two < one_at_a_time
+  # As many as there are devices: no turns to take.
+  same, parts = planner.StepTime(cells, step,
+                                 planner.Devices(4, 1e12, computing_at_once=4))
+  assert same == all_at_once and 'taking turns' not in parts
+
+
+def test_replicas_taking_turns_pay_for_every_replica():
+  cells = [_Layer(4), _Layer(4, True)]
+  step = memory_model.StepConfig('gpipe', 4, 16, 'never')
+  one, _ = planner.StepTime(cells, step, planner.Devices(
+      4, 1e12, computing_at_once=1), num_replicas=1)
+  two, parts = planner.StepTime(cells, step, planner.Devices(
+      4, 1e12, computing_at_once=1, latency_s=0.01), num_replicas=2)
+  assert parts['gradient sum'] == 0.01
+  assert two >= 2 * (one - parts['per step']) + parts['gradient sum']

@@ -72,3 +72,24 @@ def test_a_capped_process_quotes_its_own_shared_limit(monkeypatch):
   diagnosis = memory_budget.Diagnosis(p, FLAGS, ['/CPU:0', '/CPU:1'], None,
                                       None, None, last_good=None)
   assert (diagnosis.limit_mb, diagnosis.shared_limit) == (12, True)
+
+
+@pytest.mark.parametrize('hosts, at_once', [
+    (('127.0.0.1', 'localhost'), 2), (('127.0.0.1', 'h1.example'), None)])
+def test_plan_lets_workers_on_this_host_take_turns_on_its_cores(
+    monkeypatch, hosts, at_once):
+  from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import auto_plan  # pylint: disable=g-import-not-at-top
+  chosen = []
+  monkeypatch.setattr(auto_plan, 'Choose',
+                      lambda p, devices, **unused: chosen.append(devices))
+  monkeypatch.setattr(planner.os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3},
+                      raising=False)
+  spec = f'controller=127.0.0.1:1;worker={hosts[0]}:2,{hosts[1]}:3'
+  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
+  with flagsaver.flagsaver(plan='auto', device_memory_mb=64, job='controller',
+                           cluster_spec=spec, intra_op_threads=2):
+    memory_budget.PlanIfAsked(p, FLAGS)
+  assert chosen[0].count == 2 and chosen[0].computing_at_once == at_once
+  # Workers on this host send to each other at loopback speed.
+  assert bool(chosen[0].bandwidth_bytes_per_s) == (at_once is not None)

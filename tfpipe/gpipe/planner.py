@@ -28,9 +28,12 @@ Predicted step time, from the profiled seconds of each action:
     (benchmarks/RESULTS.md, "Issue 23").
 A profiled action's time includes its fixed cost (a function call); a cell
 of several layers pays it once, so it is counted once per action. Worker
-processes driven by a controller (RemoteWorkers) also pay two function calls
-per step and each transfer's send/recv latency, as measured by
-benchmarks/remote_action_costs.py.
+processes driven by a controller (RemoteWorkers) also pay the trainer's
+per-step work, two function calls per step and each transfer's send/recv
+latency, as measured by benchmarks/remote_action_costs.py and
+benchmarks/planner_check.py. Worker processes on one host share its cores:
+only `Devices.computing_at_once` of them compute at the same time, and the
+step lasts at least their summed compute over that number.
 
 A cell of several layers is estimated from its layers' profiles
 (`CombineLayers`): what they keep adds up, a re-materialized backward holds
@@ -44,6 +47,7 @@ smallest per-device memory that would fit.
 
 import dataclasses
 import math
+import os
 from typing import List, Optional, Sequence
 
 from tfpipe.gpipe import memory_model
@@ -67,9 +71,12 @@ class Devices:
     concurrent: whether the devices compute at the same time
       (accelerators, and CPU worker processes with either executor); False
       for logical CPU devices of one process, which share its threads.
-    step_call_s: the controller's fixed cost per step: calling the step
-      function over the devices and the update (RemoteWorkers sets it for
-      worker processes).
+    step_call_s: the controller's fixed cost per step: its own work (the
+      batch in, the loss out) and calling the step function over the
+      devices and the update (RemoteWorkers sets it for worker processes).
+    computing_at_once: of concurrent devices, how many can compute at the
+      same time (None: all). Worker processes on one host share its cores:
+      `HostComputingAtOnce` of them run at once and the others wait.
   """
   count: int
   memory_bytes: float
@@ -77,23 +84,50 @@ class Devices:
   latency_s: float = 0.0
   concurrent: bool = True
   step_call_s: float = 0.0
+  computing_at_once: Optional[int] = None
+
+
+def HostComputingAtOnce(intra_op_threads=0, cores=None):
+  """How many worker processes of this host compute at the same time: its
+  cores over each one's intra-op threads (0: TensorFlow's default, one per
+  core), at least one."""
+  if cores is None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(
+        os, 'sched_getaffinity') else (os.cpu_count() or 1)
+  return max(1, cores // (intra_op_threads or cores))
 
 
 # What driving worker processes from a controller costs, beyond compute
 # (benchmarks/remote_action_costs.py; benchmarks/RESULTS.md, "Issue 23"):
 # one call of a function over the workers, and one activation or gradient
-# handed from worker to worker by send/recv.
+# handed from worker to worker by send/recv, at loopback speed on one host.
 REMOTE_STEP_FUNCTION_CALL_S = 3e-3
 REMOTE_TRANSFER_LATENCY_S = 2e-3
+LOOPBACK_BANDWIDTH_BYTES_PER_S = 1.5e9
+# The trainer's own work per step on worker processes, beyond the two calls
+# (benchmarks/RESULTS.md, "planner_check.py": a model of negligible compute
+# on the launcher's workers): the batch sent to the first worker, the loss
+# and gradient norm read back, the step counter; and what each further
+# worker the step spans adds.
+REMOTE_TRAINER_STEP_S = 16e-3
+REMOTE_STEP_PER_WORKER_S = 4.5e-3
 
 
-def RemoteWorkers(devices):
+def RemoteWorkers(devices, same_host=False):
   """`devices` as worker processes driven by a controller over gRPC: each
-  step pays two function calls (the step and the update), and each transfer
-  between neighbours the send/recv latency."""
+  step pays the trainer's per-step work and two function calls (the step
+  and the update), and each transfer between neighbours the send/recv
+  latency; workers on the controller's host (`same_host`) send at loopback
+  speed unless a bandwidth is given."""
+  per_step = (REMOTE_TRAINER_STEP_S + 2 * REMOTE_STEP_FUNCTION_CALL_S +
+              REMOTE_STEP_PER_WORKER_S * (devices.count - 1))
+  bandwidth = devices.bandwidth_bytes_per_s
+  if same_host and not bandwidth:
+    bandwidth = LOOPBACK_BANDWIDTH_BYTES_PER_S
   return dataclasses.replace(
       devices, latency_s=max(devices.latency_s, REMOTE_TRANSFER_LATENCY_S),
-      step_call_s=max(devices.step_call_s, 2 * REMOTE_STEP_FUNCTION_CALL_S))
+      step_call_s=max(devices.step_call_s, per_step),
+      bandwidth_bytes_per_s=bandwidth)
 
 
 @dataclasses.dataclass
@@ -263,22 +297,34 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
   if not devices.concurrent:
     parts = {name: value * num_replicas for name, value in parts.items()}
     parts['update'] = sum(update)
-    parts['step calls'] = devices.step_call_s
+    parts['per step'] = devices.step_call_s
     return sum(parts.values()), parts
   sim = schedule_lib.Simulate(sched, forward_costs=forward,
                               backward_costs=[max(b, 1e-12)
                                               for b in backward])
+  busy = (compute + parts['recompute']) * num_replicas
   parts = {name: value / num_cells for name, value in parts.items()}
   parts['bubble'] = sim.idle_time / num_cells
   parts['update'] = max(update)
-  if num_replicas > 1 and devices.bandwidth_bytes_per_s:
+  makespan = sim.makespan
+  at_once = devices.computing_at_once
+  if at_once and at_once < num_cells * num_replicas:
+    # More devices than can compute at once: they take turns, so the step
+    # lasts at least their summed compute (and updates) over `at_once`.
+    makespan = max(makespan, busy / at_once)
+    parts['taking turns'] = makespan - sim.makespan
+    parts['update'] = max(parts['update'],
+                          sum(update) * num_replicas / at_once)
+  if num_replicas > 1:
+    bandwidth = devices.bandwidth_bytes_per_s
     parts['gradient sum'] = max(
-        devices.latency_s + c.variable_bytes / devices.bandwidth_bytes_per_s
+        devices.latency_s +
+        (c.variable_bytes / bandwidth if bandwidth else 0.0)
         for c in cells) * math.ceil(math.log2(num_replicas))
-  parts['step calls'] = devices.step_call_s
-  return sim.makespan + sum(v for k, v in parts.items()
-                            if k in ('update', 'gradient sum', 'step calls')
-                            ), parts
+  parts['per step'] = devices.step_call_s
+  return makespan + sum(v for k, v in parts.items()
+                        if k in ('update', 'gradient sum', 'per step')
+                        ), parts
 
 
 # ---- the search ----------------------------------------------------------------

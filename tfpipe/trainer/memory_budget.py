@@ -84,20 +84,30 @@ def _Role(flag_values):
       'cluster') else ''
 
 
+_LOCAL_HOSTS = ('127.0.0.1', 'localhost', '::1', '[::1]')
+
+
 def _Devices(flag_values):
-  """(number of devices, whether they compute at the same time) for a plan."""
+  """(number of devices, whether they compute at the same time, how many
+  can at once: None for all) for a plan."""
   from tfpipe import devices as devices_lib  # pylint: disable=g-import-not-at-top
   resolved = multihost.ClusterFromFlags(flag_values)
   if resolved is not None:
     workers = cluster_spec.JobTasks(resolved[0], cluster_spec.WORKER_JOB)
     # Worker processes compute at the same time under either executor: one
-    # graph over them is partitioned per worker, and the parts overlap.
-    return len(workers) * flag_values.devices_per_worker, True
+    # graph over them is partitioned per worker, and the parts overlap;
+    # but workers on this host (the launcher's) share its cores.
+    at_once = None
+    if all(address.rsplit(':', 1)[0] in _LOCAL_HOSTS
+           for _, address in workers):
+      from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+      at_once = planner.HostComputingAtOnce(_IntraOpThreads(flag_values))
+    return len(workers) * flag_values.devices_per_worker, True, at_once
   device_type = devices_lib.ChooseDeviceType(flag_values.run_locally)
   if flag_values.num_devices:
-    return flag_values.num_devices, device_type == 'GPU'
+    return flag_values.num_devices, device_type == 'GPU', None
   if device_type == 'GPU':
-    return len(devices_lib.VisibleGpus()), True
+    return len(devices_lib.VisibleGpus()), True, None
   raise ValueError('--plan=auto needs the number of devices: pass '
                    '--num_devices (or run under tfpipe.launcher, whose '
                    'workers are the devices).')
@@ -124,15 +134,15 @@ def PlanIfAsked(p, flag_values, log=print):
   if not flag_values.device_memory_mb:
     raise ValueError('--plan=auto plans for a per-device memory: pass '
                      '--device_memory_mb.')
-  count, concurrent = _Devices(flag_values)
+  count, concurrent, at_once = _Devices(flag_values)
   bandwidth = flag_values.neighbour_bandwidth_mbps
   devices = planner.Devices(
       count=count, memory_bytes=flag_values.device_memory_mb * MIB,
       bandwidth_bytes_per_s=bandwidth * 1e6 if bandwidth else None,
-      concurrent=concurrent)
+      concurrent=concurrent, computing_at_once=at_once)
   if multihost.ClusterFromFlags(flag_values) is not None:
     # A controller drives the workers: each step pays remote calls.
-    devices = planner.RemoteWorkers(devices)
+    devices = planner.RemoteWorkers(devices, same_host=at_once is not None)
   return auto_plan.Choose(p, devices, log=log,
                           intra_op_threads=_IntraOpThreads(flag_values))
 
