@@ -20,7 +20,8 @@ same K=2 single-threaded `tf.distribute.Server` workers on 127.0.0.1:
                     plus backward, on one worker at micro-batch batch/M,
                     times M, against the whole batch at once: the
                     micro-batch efficiency.
-  contention        the same cell on both workers at once, against one alone:
+  contention        the same cell on both workers at once (one function over
+                    both), against one alone:
                     the machine's ceiling for K=2.
   accumulation      adding one micro-batch's weight gradients into the
                     cell's buffers (assign_add on the worker).
@@ -34,7 +35,6 @@ dependency.
     python -m benchmarks.remote_action_costs --output_json=/tmp/costs.json
 """
 
-import concurrent.futures
 import statistics
 import sys
 import time
@@ -151,12 +151,14 @@ def _Costs(devices, m):
         h = tf.nn.relu(tf.matmul(h, w))
       return h
 
-    @tf.function
+    # Calls that stay calls, run on the single-threaded executor, as the
+    # engine runs a worker's actions (tfpipe/gpipe/cell_runtime.py).
+    @tf.function(experimental_attributes={'_noinline': True})
     def F(x):
       with tf.device(devices[k]):
         return tf.reduce_sum(Forward(x)[:1, :1])
 
-    @tf.function
+    @tf.function(experimental_attributes={'_noinline': True})
     def FB(x):
       with tf.device(devices[k]):
         with tf.GradientTape() as tape:
@@ -164,32 +166,51 @@ def _Costs(devices, m):
           y = tf.reduce_sum(Forward(x))
         grads = tape.gradient(y, [x] + ws)
         return tf.add_n([tf.reduce_sum(g[:1, :1]) for g in grads])
-    return F, FB
+
+    def Caller(fn):
+      # An eager call does not take the executor type; a call op traced
+      # under it does.
+      @tf.function
+      def Call(x):
+        with tf.device(devices[k]), SingleThreaded():
+          return fn(x)
+      return Call
+    return Caller(F), Caller(FB), FB
 
   def Copy(x, k):
     with tf.device(devices[k]):
       return tf.identity(x)
   xs = [Copy(x_micro, k) for k in range(2)]
-  fwd, fwd_bwd = CellFunctions(0)
+  fwd, fwd_bwd, _ = CellFunctions(0)
+
+  def Call(fn, x):
+    return _Sync(fn(x))
   for fn in (fwd, fwd_bwd):
-    _Sync(fn(xs[0]))
-    _Sync(fn(x_full))
-  costs['cell forward, micro-batch'] = _Fastest(lambda: _Sync(fwd(xs[0])),
+    Call(fn, xs[0])
+    Call(fn, x_full)
+  costs['cell forward, micro-batch'] = _Fastest(lambda: Call(fwd, xs[0]),
                                                reps)
   costs['cell forward+backward, micro-batch'] = _Fastest(
-      lambda: _Sync(fwd_bwd(xs[0])), reps)
+      lambda: Call(fwd_bwd, xs[0]), reps)
   costs['cell forward+backward, whole batch / M'] = _Fastest(
-      lambda: _Sync(fwd_bwd(x_full)), reps) / m
+      lambda: Call(fwd_bwd, x_full), reps) / m
 
-  # Contention: the same cell on both workers at once.
-  both = [CellFunctions(k)[1] for k in range(2)]
-  for k in range(2):
-    _Sync(both[k](xs[k]))
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+  # Contention: the same cell on both workers at once, in one function over
+  # both (as a pipeline step runs them; two controller threads issuing
+  # eager calls would measure the controller too).
+  both = [CellFunctions(k)[2] for k in range(2)]
+
+  @tf.function
+  def Both(x0, x1):
+    with SingleThreaded():
+      with tf.device(devices[0]):
+        y0 = both[0](x0)
+      with tf.device(devices[1]):
+        y1 = both[1](x1)
+      return y0 + y1
+  _Sync(Both(*xs))
   costs['cell forward+backward, both workers at once'] = _Fastest(
-      lambda: [f.result() for f in [pool.submit(lambda k=k: _Sync(
-          both[k](xs[k]))) for k in range(2)]], reps)
-  pool.shutdown()
+      lambda: _Sync(Both(*xs)), reps)
 
   # Accumulation: one micro-batch's weight gradients into buffers.
   with tf.device(devices[0]):
@@ -213,6 +234,16 @@ def _Costs(devices, m):
       _Fastest(lambda: _Sync(Accumulate(grads)), 4 * reps) -
       _Fastest(lambda: _Sync(NoAccumulate(grads)), 4 * reps), 0.0)
   return costs
+
+
+def SingleThreaded():
+  """Where calls run on the single-threaded executor, as the engine's on a
+  worker's CPU."""
+  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  from tfpipe.gpipe import cell_runtime
+  return tf.experimental.function_executor_type(
+      cell_runtime.SINGLE_THREADED_EXECUTOR)
 
 
 def Predict(costs_by_m, num_cells, num_layers, schedule='gpipe'):
