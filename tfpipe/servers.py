@@ -101,7 +101,11 @@ def StartServer(cluster_spec, job, task, bind_address='127.0.0.1',
     bind_address: see CheckBindAddress.
     num_devices: CPU devices the server exposes.
     intra_op_threads: threads one op may use; 0: TensorFlow's default.
-    inter_op_threads: ops run at once; 0: TensorFlow's default.
+    inter_op_threads: ops run at once; 0: TensorFlow's default. A worker
+      that runs pipeline cells needs two or more even when it should
+      compute one op at a time: one runs the current action (a call on
+      the single-threaded executor, gpipe/cell_runtime.py), the other
+      hands tensors on to its neighbours.
 
   Raises:
     ValueError: see CheckBindAddress; or the spec has no such task.
