@@ -88,3 +88,68 @@ def test_sgd_step_uses_scheduled_rate():
   np.testing.assert_allclose(var.numpy(), [0.5])  # lr = 1 * (0+1)/2.
   opt.apply_gradients([(tf.constant([1.0]), var)])
   np.testing.assert_allclose(var.numpy(), [-0.5])
+
+
+def _Ancestors(op):
+  seen, stack = set(), [op]
+  while stack:
+    node = stack.pop()
+    for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+      if parent not in seen:
+        seen.add(parent)
+        stack.append(parent)
+  return seen
+
+
+def test_apply_gradients_updates_a_devices_variables_one_after_another():
+  """Each device's variables are updated one after another (so its update
+  peaks at one variable's working set, every step), other devices' at the
+  same time, and the values are the optimizer's own."""
+  devices = ['/device:CPU:0', '/device:CPU:1']
+  shapes = [[3, 4], [4], [4, 2]]
+  def Make():
+    variables = []
+    for i, shape in enumerate(shapes):
+      with tf.device(devices[0]):
+        variables.append(tf.Variable(tf.ones(shape) * (i + 1)))
+    with tf.device(devices[1]):
+      variables.append(tf.Variable(tf.ones([5])))
+    return variables
+  grads = [tf.fill(v.shape, 0.1 * (i + 1)) for i, v in enumerate(Make())]
+  chained, plain = Make(), Make()
+  opt_chained = keras.optimizers.Adam(learning_rate=0.1)
+  opt_plain = keras.optimizers.Adam(learning_rate=0.1)
+
+  @tf.function
+  def Chained():
+    optimizer.ApplyGradients(opt_chained, zip(grads, chained), clip_norm=0.5)
+
+  @tf.function
+  def Plain():
+    clipped, _ = optimizer.ClipGradients(grads, 0.5)
+    opt_plain.apply_gradients(zip(clipped, plain))
+  for _ in range(2):
+    Chained()
+    Plain()
+  for a, b in zip(chained, plain):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+  assert 'update_step' not in vars(opt_chained)  # Restored.
+
+  graph = Chained.get_concrete_function().graph
+  writes = {}  # variable index -> its update's writes
+  handles = {id(v.handle): i for i, v in enumerate(chained)}
+  captured = {id(internal): handles[id(external)]
+              for external, internal in graph.captures
+              if id(external) in handles}
+  for op in graph.get_operations():
+    if op.type.startswith('Assign') and op.inputs:
+      handle = op.inputs[0]
+      index = captured.get(id(handle))
+      if index is not None:
+        writes.setdefault(index, []).append(op)
+  assert sorted(writes) == [0, 1, 2, 3]
+  for later in (1, 2):  # On device 0, after the variable before it.
+    ancestors = set().union(*(_Ancestors(op) for op in writes[later]))
+    assert set(writes[later - 1]) & ancestors, later
+  ancestors = set().union(*(_Ancestors(op) for op in writes[3]))
+  assert not any(set(writes[i]) & ancestors for i in range(3))  # Device 1.

@@ -293,8 +293,8 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm):
 
   @tf.function
   def Update(grads):
-    grads, _ = optimizer_lib.ClipGradients(grads, clip_gradient_norm)
-    optimizer.apply_gradients(zip(grads, variables))
+    optimizer_lib.ApplyGradients(optimizer, zip(grads, variables),
+                                 clip_norm=clip_gradient_norm)
     return tf.constant(True)
   Update(gradients)
   peak, seconds = 0, float('inf')

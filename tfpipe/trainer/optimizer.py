@@ -129,3 +129,77 @@ def ClipGradients(gradients, clip_norm):
     gradients, _ = tf.clip_by_global_norm(gradients, clip_norm,
                                           use_norm=norm)
   return gradients, norm
+
+
+def ApplyGradients(optimizer, grads_and_vars, clip_norm=0.0, norm=None):
+  """Clips by global norm and applies `optimizer`, each device's variables
+  updated one after another; returns the norm before clipping.
+
+  TensorFlow runs independent ops at the same time, so the per-variable
+  updates of one device overlapped by as many as it has inter-op threads,
+  and their temporaries (Adam's are several tensors the size of the
+  variable) added up differently from one step to the next, by whole
+  layers: no memory budget could be planned for that. One variable after
+  another, each gradient clipped just before its variable's update, a
+  device's update peaks at its largest variable's working set, every step.
+  The memory profiles (gpipe/memory_profile.py) update the same way.
+
+  Args:
+    optimizer: a Keras optimizer.
+    grads_and_vars: (gradient, variable) pairs.
+    clip_norm: clip to this global norm (ClipGradients); <= 0: no clipping.
+    norm: the gradients' global norm, if already computed.
+  """
+  grads_and_vars = list(grads_and_vars)
+  if norm is None:
+    norm = tf.linalg.global_norm([g for g, _ in grads_and_vars])
+  scale = None
+  if clip_norm and clip_norm > 0:
+    # As tf.clip_by_global_norm: NaN when the norm is not finite.
+    scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm)
+    scale = tf.where(tf.math.is_finite(norm), scale, float('nan'))
+  if tf.executing_eagerly() or not callable(
+      getattr(optimizer, 'update_step', None)):
+    if scale is not None:
+      grads_and_vars = [(_Scaled(g, scale), v) for g, v in grads_and_vars]
+    optimizer.apply_gradients(grads_and_vars)
+    return norm
+  update_step = optimizer.update_step
+  last = {}  # device -> the ops that end its previous variable's update
+
+  def UpdateStep(gradient, variable, learning_rate):
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    device = getattr(variable, 'device', '')
+    with tf.control_dependencies(last.get(device, [])):
+      if scale is not None:
+        gradient = _Scaled(gradient, scale)
+      result = update_step(gradient, variable, learning_rate)
+    ops = graph.get_operations()[first:]
+    made = set(ops)
+    ends = [op for op in ops if not any(
+        consumer in made for output in op.outputs
+        for consumer in output.consumers())]
+    if ends:
+      last[device] = ends
+    return result
+
+  own = vars(optimizer).get('update_step')  # Set on the instance, if any.
+  optimizer.update_step = UpdateStep
+  try:
+    optimizer.apply_gradients(grads_and_vars)
+  finally:
+    if own is None:
+      del optimizer.update_step  # The class's method again.
+    else:
+      optimizer.update_step = own
+  return norm
+
+
+def _Scaled(gradient, scale):
+  if gradient is None:
+    return None
+  if isinstance(gradient, tf.IndexedSlices):
+    return tf.IndexedSlices(gradient.values * tf.cast(scale, gradient.dtype),
+                            gradient.indices, gradient.dense_shape)
+  return gradient * tf.cast(scale, gradient.dtype)

@@ -260,13 +260,15 @@ class BaseTask:
       # A variable that no loss reaches has no gradient (None): the Keras
       # optimizer skips it, so its momentum and weight decay leave it alone.
       grads = placement.OnVariableDevices(gradients, variables)
-      grads, grad_norm = optimizer_lib.ClipGradients(
-          grads, self.p.train.clip_gradient_norm)
+      grad_norm = tf.linalg.global_norm(grads)
       lr = self.learning_rate_schedule(self.optimizer.iterations)
 
       def Apply():
+        # Clipped by global norm, each gradient just before its update.
         with placement.NoSingleReplicaAllReduce(self.optimizer):
-          self.optimizer.apply_gradients(zip(grads, variables))
+          optimizer_lib.ApplyGradients(
+              self.optimizer, zip(grads, variables),
+              clip_norm=self.p.train.clip_gradient_norm, norm=grad_norm)
         return tf.constant(True)
       if self.skip_non_finite_updates:
         tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(grad_norm), Apply,
