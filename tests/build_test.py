@@ -9,12 +9,11 @@ records the rules. If it fails, regenerate with
 and commit the BUILD files together with the new or changed files.
 """
 # Reads the real source tree (through the runfiles symlinks), so it must never
-# be served from Bazel's cache; it loads the generator by path.
+# be served from Bazel's cache; it imports the generator from there.
 # bazel: tags=external
 # bazel: deps=//tools:build_targets
 
 import difflib
-import importlib.util
 import os
 import posixpath
 import subprocess
@@ -25,18 +24,19 @@ import types
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-GENERATOR_PATH = os.path.join(ROOT, 'tools', 'build_targets.py')
+# tools/ holds scripts, not a package: `python tools/build_targets.py` runs
+# with tools/ first on sys.path, which is how the generator's modules find
+# each other. Importing them here the same way tests the code as it runs.
+sys.path.insert(0, os.path.join(ROOT, 'tools'))
+# pylint: disable=g-import-not-at-top,g-bad-import-order,wrong-import-position
+import build_files
+import build_targets
+import target_graph
+# pylint: enable=g-import-not-at-top,g-bad-import-order,wrong-import-position
+
 REGENERATE = 'Run `python tools/build_targets.py` and commit the BUILD files.'
 
 _KINDS = ('py_library', 'py_test', 'py_binary')
-
-
-def _LoadGenerator():
-  spec = importlib.util.spec_from_file_location('build_targets',
-                                                GENERATOR_PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _ParseBuild(text, package, path='BUILD'):
@@ -117,17 +117,12 @@ def _WriteTree(root, files):
 
 
 @pytest.fixture(scope='module')
-def generator():
-  return _LoadGenerator()
+def expected():
+  return build_targets.Generate(ROOT)
 
 
 @pytest.fixture(scope='module')
-def expected(generator):
-  return generator.Generate(ROOT)
-
-
-@pytest.fixture(scope='module')
-def build_files(expected):
+def committed(expected):
   files = {}
   for path in expected:
     full = os.path.join(ROOT, path)
@@ -139,21 +134,21 @@ def build_files(expected):
 
 
 @pytest.fixture(scope='module')
-def rules(build_files):
-  return _Rules(build_files)
+def rules(committed):
+  return _Rules(committed)
 
 
 @pytest.fixture(scope='module')
-def tree(generator):
-  return generator.Tree(ROOT)
+def tree():
+  return target_graph.Tree(ROOT)
 
 
-def test_every_package_has_a_build_file_of_python_rules(build_files, tree):
+def test_every_package_has_a_build_file_of_python_rules(committed, tree):
   packages = {posixpath.dirname(p) for p in tree.files}
   missing = sorted(p for p in packages if posixpath.join(p, 'BUILD')
-                   not in build_files)
+                   not in committed)
   assert not missing, f'Packages without a BUILD file: {missing}. {REGENERATE}'
-  for path, text in build_files.items():
+  for path, text in committed.items():
     if path != 'BUILD':
       assert _ParseBuild(text, posixpath.dirname(path), path), (
           f'{path} has no py_* rules. {REGENERATE}')
@@ -206,44 +201,43 @@ def test_every_dependency_is_a_defined_target(rules):
   assert not undefined, f'Unknown deps: {sorted(undefined)}. {REGENERATE}'
 
 
-def test_trainer_binary_when_trainer_exists(rules, tree, generator):
+def test_trainer_binary_when_trainer_exists(rules, tree):
   if not tree.has_trainer:
-    pytest.skip(f'{generator.TRAINER} does not exist yet.')
+    pytest.skip(f'{target_graph.TRAINER} does not exist yet.')
   kind, attrs, _ = rules['//:trainer']
   assert kind == 'py_binary'
-  assert _Path('', attrs['main']) == generator.TRAINER
+  assert _Path('', attrs['main']) == target_graph.TRAINER
   assert '//params' in attrs['deps'], 'The trainer needs every config.'
 
 
-def test_build_files_are_up_to_date(build_files, expected, generator):
+def test_build_files_are_up_to_date(committed, expected):
   """Deps follow imports: a stale BUILD gives Bazel-only ImportErrors."""
   diffs = []
   for path, text in expected.items():
-    if build_files[path] != text:
+    if committed[path] != text:
       diffs += difflib.unified_diff(
-          build_files[path].splitlines(True), text.splitlines(True),
+          committed[path].splitlines(True), text.splitlines(True),
           f'{path} (committed)', f'{path} (generated)', n=1)
-  stale = generator.StaleBuildFiles(ROOT, expected)
+  stale = build_targets.StaleBuildFiles(ROOT, expected)
   assert not diffs and not stale, (
       f'Stale BUILD files {stale}. {REGENERATE}\n' + ''.join(diffs)[:4000])
 
 
-def test_build_files_make_the_generators_targets(rules, tree, generator):
-  """The macros of tools/build_defs.bzl expand to the generator's rules."""
+def _AssertRulesAre(rules, targets):
+  """`rules`, read back from BUILD files, are what `targets` say they are."""
   want, got = {}, {}
-  # The generator's own model of the rules, before they are written out.
-  targets = generator._Targets(  # pylint: disable=protected-access
-      tree).by_label
   for label, t in targets.items():
     want[_Absolute('', label)] = (
         t.kind, sorted(t.srcs), sorted(_Absolute('', d) for d in t.deps),
-        t.attrs.get('main'), t.attrs.get('args'))
+        t.attrs.get('main'), t.attrs.get('args'),
+        sorted(_Path('', d) for d in t.attrs.get('data', [])))
   for label, (kind, attrs, package) in rules.items():
     main = attrs.get('main')
     got[label] = (
         kind, sorted(_Path(package, s) for s in attrs.get('srcs', [])),
         sorted(_Absolute(package, d) for d in attrs.get('deps', [])),
-        main and _Path(package, main), attrs.get('args'))
+        main and _Path(package, main), attrs.get('args'),
+        sorted(_Path(package, d) for d in attrs.get('data', [])))
   assert set(got) == set(want), (
       f'Only in BUILD files: {sorted(set(got) - set(want))}; only in the '
       f'tree: {sorted(set(want) - set(got))}. {REGENERATE}')
@@ -252,8 +246,50 @@ def test_build_files_make_the_generators_targets(rules, tree, generator):
   assert not wrong, f'BUILD rules (made, wanted): {wrong}'
 
 
-def test_generator_is_deterministic(generator, expected):
-  assert generator.Generate(ROOT) == expected
+def test_build_files_make_the_generators_targets(rules, tree):
+  """The macros of tools/build_defs.bzl expand to the generator's rules."""
+  # The generator's own model of the rules, before they are written out.
+  _AssertRulesAre(rules, target_graph.Targets(tree).by_label)
+
+
+def test_build_files_spell_out_what_the_macros_cannot_make():
+  """A test library the test's macro cannot make keeps its own rule.
+
+  `pytest_test(library = True)` gives `<name>_lib` the test's deps and
+  data; a library that needs other ones must not be folded into it. A
+  binary's main in another package is exported by that package.
+  """
+  Target = target_graph.Target  # pylint: disable=invalid-name
+  runner, support = target_graph.RUNNER, target_graph.PYTEST_SUPPORT
+  test = 'tests/x/a_test.py'
+  targets = {t.label: t for t in [
+      Target('py_library', 'tests', 'pytest_support', [runner]),
+      Target('py_library', 'tests/x', 'helper', ['tests/x/helper.py']),
+      Target('py_test', 'tests/x', 'a_test', [test, runner],
+             {support: '', '//tests/x:helper': ''},
+             {'main': runner, 'args': [test], 'data': ['//:README.md']}),
+      Target('py_library', 'tests/x', 'a_test_lib', [test],
+             {'//tests/x:helper': ''}, {'testonly': True}),
+      Target('py_library', 'tools', 't', ['tools/t.py']),
+      Target('py_binary', '', 't', ['tools/t.py'], {'//tools:t': ''},
+             {'main': 'tools/t.py'}),
+  ]}
+  files = build_files.Render(targets, ['README.md'])
+  assert sorted(files) == ['BUILD', 'tests/BUILD', 'tests/x/BUILD',
+                           'tools/BUILD']
+  _AssertRulesAre(_Rules(files), targets)
+  assert 'library = True' not in files['tests/x/BUILD']
+  assert 'exports_files(["t.py"])' in files['tools/BUILD']
+  assert 'exports_files(["README.md"])' in files['BUILD']
+  # With the same data as the test, the library is the macro's to make.
+  targets['//tests/x:a_test_lib'].attrs['data'] = ['//:README.md']
+  files = build_files.Render(targets, ['README.md'])
+  _AssertRulesAre(_Rules(files), targets)
+  assert 'library = True' in files['tests/x/BUILD']
+
+
+def test_generator_is_deterministic(expected):
+  assert build_targets.Generate(ROOT) == expected
 
 
 def test_schedule_target_and_import_carry_no_tensorflow(rules):
@@ -309,16 +345,20 @@ SMALL_TREE = {
     ''',
     'tfpipe/trainer/__init__.py': '',
     'tfpipe/trainer/trainer.py': 'from tfpipe import a\n',
+    # tools/ has no __init__.py: a script there imports its siblings by name.
+    'tools/script.py': 'import json\nimport script_lib\nfrom tfpipe import a\n',
+    'tools/script_lib.py': 'from script_parts import Part\n',
+    'tools/script_parts.py': 'Part = 1\n',
 }
 
 
-def test_generator_on_a_small_tree(tmp_path, generator):
+def test_generator_on_a_small_tree(tmp_path):
   _WriteTree(tmp_path, SMALL_TREE)
-  files = generator.Generate(str(tmp_path))
+  files = build_targets.Generate(str(tmp_path))
   assert sorted(files) == [
       'BUILD', 'models/BUILD', 'params/BUILD', 'tests/BUILD',
       'tests/sub/BUILD', 'tfpipe/BUILD', 'tfpipe/sub/BUILD',
-      'tfpipe/trainer/BUILD']
+      'tfpipe/trainer/BUILD', 'tools/BUILD']
   rules = _Rules(files)
 
   def Deps(label):
@@ -364,6 +404,9 @@ def test_generator_on_a_small_tree(tmp_path, generator):
   assert Deps('//tests/sub:runs_trainer') == [
       '//params:params', '//tests/sub:init', '//tfpipe/trainer:trainer']
   assert rules['//tests/sub:runs_trainer'][1]['data'] == ['//:setup.cfg']
+  # Python runs a script with its directory first on sys.path.
+  assert Deps('//tools:script') == ['//tfpipe:a', '//tools:script_lib']
+  assert Deps('//tools:script_lib') == ['//tools:script_parts']
   kind, trainer, _ = rules['//:trainer']
   assert kind == 'py_binary'
   assert trainer['deps'] == ['//params', '//tfpipe/trainer']
@@ -373,34 +416,33 @@ def test_generator_on_a_small_tree(tmp_path, generator):
   assert len(srcs) == len(set(srcs))
 
 
-def test_generator_refuses_a_real_cycle_naming_the_modules(tmp_path,
-                                                           generator):
+def test_generator_refuses_a_real_cycle_naming_the_modules(tmp_path):
   files = dict(SMALL_TREE)
   files['tfpipe/a.py'] = 'from tfpipe.sub import b\n'  # b imports a.
   files['tfpipe/sub/c.py'] = ''  # Else a -> b -> c -> a is found first.
   _WriteTree(tmp_path, files)
-  with pytest.raises(generator.BuildError) as error:
-    generator.Generate(str(tmp_path))
+  with pytest.raises(target_graph.BuildError) as error:
+    build_targets.Generate(str(tmp_path))
   message = str(error.value)
   assert 'Import cycle among tfpipe/a.py, tfpipe/sub/b.py' in message
   assert 'imports tfpipe.sub.b (tfpipe/a.py:1)' in message
   assert 'imports tfpipe.a (tfpipe/sub/b.py:1)' in message
   # The command line says so and writes nothing.
-  assert generator.main(['--root', str(tmp_path)]) == 1
+  assert build_targets.main(['--root', str(tmp_path)]) == 1
   assert not (tmp_path / 'BUILD').exists()
 
 
-def test_generator_refuses_bad_directives_and_tables(tmp_path, generator):
+def test_generator_refuses_bad_directives_and_tables(tmp_path):
   files = dict(SMALL_TREE)
   files['tests/sub/b_test.py'] = '# bazel: size=huge\n'
   _WriteTree(tmp_path, files)
-  with pytest.raises(generator.BuildError, match='size must be one of'):
-    generator.Generate(str(tmp_path))
+  with pytest.raises(target_graph.BuildError, match='size must be one of'):
+    build_targets.Generate(str(tmp_path))
   files['tests/sub/b_test.py'] = '# bazel: deps=//tfpipe:missing\n'
   _WriteTree(tmp_path, files)
-  with pytest.raises(generator.BuildError,
+  with pytest.raises(target_graph.BuildError,
                      match='no BUILD file defines //tfpipe:missing'):
-    generator.Generate(str(tmp_path))
+    build_targets.Generate(str(tmp_path))
   files['tests/sub/b_test.py'] = ''
   files['tfpipe/sub/__init__.py'] = '''
       from tfpipe import lazy_exports
@@ -408,6 +450,6 @@ def test_generator_refuses_bad_directives_and_tables(tmp_path, generator):
           __name__, {'missing': ['X']})
   '''
   _WriteTree(tmp_path, files)
-  with pytest.raises(generator.BuildError,
+  with pytest.raises(target_graph.BuildError,
                      match="names submodule 'missing'.*fix the table"):
-    generator.Generate(str(tmp_path))
+    build_targets.Generate(str(tmp_path))
