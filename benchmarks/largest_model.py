@@ -281,10 +281,15 @@ class Predictor:
     counts, _, peaks = found
     return [p.peak_bytes for p in peaks], counts, peaks
 
-  def Largest(self, config, start):
-    """The largest size predicted to fit (galloping, then bisecting)."""
+  def Largest(self, config, start, scale=1.0):
+    """The largest size predicted to fit (galloping, then bisecting).
+
+    With `scale`, each predicted peak is multiplied by it first: the ratio
+    of a trial's measured peak to the prediction calibrates the model for
+    this configuration's next guess.
+    """
     step, smallest, _ = FAMILIES[self.family]
-    budget = FLAGS.budget_mib * MIB
+    budget = FLAGS.budget_mib * MIB / scale
     limit = FLAGS.max_size
 
     def Fits(size):
@@ -312,39 +317,64 @@ class Predictor:
 
 
 def Search(family, config, predictor, start, log):
-  """The largest size that trains, from the prediction; its trials."""
+  """The largest size that trains, from the prediction; its trials.
+
+  The first trial is the memory model's largest size. Once a size fits, the
+  next guess is the model's largest size with its peaks scaled by measured
+  over predicted (the model errs by a similar factor at nearby sizes of one
+  configuration), so one trial usually lands near the answer; then it
+  bisects between the largest size that fitted and the smallest that did
+  not, within --max_trials.
+  """
   step, smallest, _ = FAMILIES[family]
   predicted = predictor.Largest(config, start)
   log(f'{family} {config}: the memory model predicts {predicted} fits')
   trials = {}
 
   def Run(size):
-    _, counts, _ = predictor.Peaks(config, size)
+    peaks, counts, _ = predictor.Peaks(config, size)
     result = Trial(config, family, size, counts)
     trials[size] = result
-    peaks = ' '.join(f'{v / MIB:.1f}' for v in result.get('peaks', []))
+    if result.get('peaks') and peaks:
+      result['measured_over_predicted'] = round(
+          max(result['peaks']) / max(peaks), 3)
+    measured = ' '.join(f'{v / MIB:.1f}' for v in result.get('peaks', []))
     log(f'  size {size}: {"fits" if result["fits"] else "does not fit"} '
-        f'({result["seconds"]:.0f}s) {peaks + " MiB" if peaks else ""}'
+        f'({result["seconds"]:.0f}s) {measured + " MiB" if measured else ""}'
         f'{"" if result["fits"] else " " + result.get("error", "")}')
     return result['fits']
 
   def TimedOut():
     return any(t.get('timed_out') for t in trials.values())
 
+  def Bounds():
+    fitted = [s for s, t in trials.items() if t['fits']]
+    failed = [s for s, t in trials.items() if not t['fits'] and
+              not t.get('timed_out')]
+    return max(fitted, default=0), min(failed, default=None)
+
   # A trial that times out says nothing about memory: the search stops
   # there, and the largest size that fitted is a lower bound.
   size = max(predicted, smallest)
-  if Run(size):
-    while (len(trials) < FLAGS.max_trials and not TimedOut() and
-           Run(size + step)):
-      size += step
-    return size, trials, predicted
-  while (len(trials) < FLAGS.max_trials and size > smallest and
-         not TimedOut()):
-    size -= step
-    if Run(size):
-      return size, trials, predicted
-  return 0, trials, predicted
+  Run(size)
+  while len(trials) < FLAGS.max_trials and not TimedOut():
+    good, bad = Bounds()
+    if bad is not None and bad - good <= step:
+      break
+    if not good:  # Nothing fitted yet: down one size.
+      size = bad - step
+      if size < smallest:
+        break
+    elif bad is None:  # Up, as far as the calibrated model says.
+      scale = trials[good].get('measured_over_predicted', 1.0)
+      size = max(good + step, predictor.Largest(config, good, scale))
+      size = min(size, FLAGS.max_size)
+      if size in trials:
+        break
+    else:
+      size = good + ((bad - good) // 2) // step * step
+    Run(size)
+  return Bounds()[0], trials, predicted
 
 
 def main(argv):
@@ -399,7 +429,8 @@ def _Report(results, bench_lib, seconds):
       growth = r['params'] / base['params'] if base['params'] else 0.0
       size_growth = r['size'] / base['size'] if base['size'] else 0.0
       # No larger size was seen to fail: the answer is a lower bound.
-      bound = not any(not t['fits'] and int(size) > r['size']
+      bound = not any(not t['fits'] and not t.get('timed_out') and
+                      int(size) > r['size']
                       for size, t in r['trials'].items())
       rows.append([family, r['config'],
                    f'>={r["size"]}' if bound else r['size'],

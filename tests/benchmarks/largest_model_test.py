@@ -58,3 +58,61 @@ def test_pipelined_trial_on_capped_workers():
   fits = _Trial('--trial=pipeline-2', '--budget_mib=64', '--layer_counts=2,3')
   assert fits['fits'], fits
   assert len(fits['peaks']) == 2 and max(fits['peaks']) <= 64 * 2**20
+
+
+_SEARCH = r'''
+import json, sys
+from absl import flags
+from benchmarks import largest_model
+
+flags.FLAGS(['largest_model', '--budget_mib=16', '--max_trials=%d'])
+MIB = largest_model.MIB
+TRUE_MIB, PREDICTED_MIB = %r, %r  # per size unit: the truth and the model
+TIMEOUT_AT = %r
+
+
+class Predictor:
+  def Peaks(self, config, size):
+    return [size * PREDICTED_MIB * MIB], [size], None
+
+  def Largest(self, config, start, scale=1.0):
+    return int(16 / (PREDICTED_MIB * scale))
+
+
+def Trial(config, family, size, counts):
+  if TIMEOUT_AT is not None and size >= TIMEOUT_AT:
+    return {'fits': False, 'timed_out': True, 'seconds': 1}
+  peak = size * TRUE_MIB * MIB
+  return {'fits': peak <= 16 * MIB, 'peaks': [peak], 'seconds': 1}
+
+
+largest_model.Trial = Trial
+size, trials, predicted = largest_model.Search(
+    'transformer', 'pipeline-8', Predictor(), 1, lambda line: None)
+print(json.dumps([size, sorted(trials), predicted]))
+'''
+
+
+def _Search(true_mib, predicted_mib, max_trials=4, timeout_at=None):
+  """(largest size found, sizes tried, predicted) of a search whose trials
+  fit while size x true_mib <= 16, its model predicting predicted_mib."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run(
+      [sys.executable, '-c', _SEARCH % (max_trials, true_mib, predicted_mib,
+                                        timeout_at)],
+      cwd=script_runner.ROOT, capture_output=True, text=True, timeout=60,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_search_calibrates_the_memory_model_by_a_trial_and_bisects():
+  # The model over-predicts by 1.2x: it guesses 66 blocks; scaled by the
+  # first trial's measured/predicted it guesses 80, the answer, and the
+  # trial after it (81) does not fit.
+  assert _Search(true_mib=0.2, predicted_mib=0.24) == [80, [66, 80, 81], 66]
+  # Under-predicted: down from the guess, one size at a time.
+  assert _Search(true_mib=0.25, predicted_mib=0.24) == [64, [64, 65, 66], 66]
+  # A timed-out trial ends the search: what fitted is a lower bound.
+  assert _Search(0.2, 0.24, timeout_at=70) == [66, [66, 80], 66]
