@@ -6,10 +6,10 @@ plain model: AmoebaNet-D 82M parameters naive, 318M pipeline-1, 542M
 pipeline-2, 1.05B pipeline-4, 1.8B pipeline-8 (22x); a Transformer 3
 layers naive, 13 pipeline-1, 103 pipeline-8 (34x).
 
-How: every device is a worker process whose allocator is capped at
---budget_mib (TF_CPU_BFC_MEM_LIMIT_IN_MB: an allocation past it fails, as
-on an accelerator of that size; benchmarks.capped_workers), with one
-intra-op thread. A trial trains one full step (forward, backward, the
+How: every device is a worker process whose allocator is capped at the
+family's budget or --budget_mib (TF_CPU_BFC_MEM_LIMIT_IN_MB: an allocation
+past it fails, as on an accelerator of that size; benchmarks.capped_workers),
+with one intra-op thread. A trial trains one full step (forward, backward, the
 optimizer's update; then a second one) of a model of one size:
 
   naive-1     plain Keras (GradientTape, clipping, Adam) in one capped
@@ -50,7 +50,8 @@ from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
 from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
-flags.DEFINE_float('budget_mib', 24, 'Memory of each emulated accelerator.')
+flags.DEFINE_float('budget_mib', None, 'Memory of each emulated accelerator; '
+                   'by default the family\'s (FAMILIES).')
 flags.DEFINE_list('families', ['transformer', 'amoebanet'],
                   'Model families (keys of FAMILIES).')
 flags.DEFINE_list('configs', ['naive-1', 'pipeline-1', 'pipeline-2',
@@ -59,8 +60,8 @@ flags.DEFINE_list('configs', ['naive-1', 'pipeline-1', 'pipeline-2',
 flags.DEFINE_integer('batch', 8, 'Global batch N (M = N in the pipelines).')
 flags.DEFINE_integer('dim', 64, 'Transformer: model dim (FFN 4x, 4 heads).')
 flags.DEFINE_integer('seq', 64, 'Transformer: sequence length.')
-flags.DEFINE_integer('filters', 16, 'AmoebaNet: D.')
-flags.DEFINE_integer('image', 32, 'AmoebaNet: image size.')
+flags.DEFINE_integer('filters', 32, 'AmoebaNet: D.')
+flags.DEFINE_integer('image', 16, 'AmoebaNet: image size.')
 flags.DEFINE_integer('max_trials', 4, 'Trials per configuration at most.')
 flags.DEFINE_integer('max_size', 192, 'Largest size the search considers.')
 flags.DEFINE_integer('trial_timeout_s', 600, 'Timeout of one trial; one '
@@ -75,14 +76,18 @@ flags.DEFINE_list('layer_counts', None, 'Trial: layers per cell.')
 MIB = 2.0**20
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# family: (size step, smallest size, GPipe's numbers by configuration).
+# family: (size step, smallest size, GPipe's numbers by configuration,
+# budget in MiB). In 16 MiB naive-1 trains 3 Transformer blocks, as GPipe's
+# did. AmoebaNet's activations per example are far larger than its
+# weights: 32 MiB is the smallest of 16, 24 and 32 in which naive-1 trains
+# its smallest model (L=3) at the default shapes.
 FAMILIES = {
     'transformer': (1, 1, {'naive-1': '3 layers', 'pipeline-1': '13 layers',
-                           'pipeline-8': '103 layers (34x)'}),
+                           'pipeline-8': '103 layers (34x)'}, 16),
     'amoebanet': (3, 3, {'naive-1': '82M', 'pipeline-1': '318M (3.9x)',
                          'pipeline-2': '542M (6.6x)',
                          'pipeline-4': '1.05B (12.8x)',
-                         'pipeline-8': '1.8B (22x)'}),
+                         'pipeline-8': '1.8B (22x)'}, 32),
 }
 
 
@@ -105,6 +110,11 @@ def ExperimentParams(family, size):
                          f'one of {sorted(FAMILIES)}.')
   p.task.train.optimizer.type = 'adam'
   return p
+
+
+def Budget(family):
+  """MiB of each device: --budget_mib, else the family's."""
+  return FLAGS.budget_mib or FAMILIES[family][3]
 
 
 def NumCells(config):
@@ -138,7 +148,7 @@ def _RunTrial():
       from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
       k = NumCells(FLAGS.trial)
       workers = capped_workers.CappedWorkers(
-          k, memory_mb=int(FLAGS.budget_mib), owner='largest_model')
+          k, memory_mb=int(Budget(FLAGS.family)), owner='largest_model')
       workers.Connect()
       p.task.pipeline.Set(
           num_partitions=k, num_micro_batches=FLAGS.batch,
@@ -197,12 +207,12 @@ def Trial(config, family, size, layer_counts=None):
   """Runs one trial in a subprocess; its TRIAL dict (fits False on failure)."""
   cmd = [sys.executable, '-m', 'benchmarks.largest_model',
          f'--trial={config}', f'--family={family}', f'--size={size}',
-         f'--budget_mib={FLAGS.budget_mib}', f'--batch={FLAGS.batch}',
+         f'--budget_mib={Budget(family)}', f'--batch={FLAGS.batch}',
          f'--dim={FLAGS.dim}', f'--seq={FLAGS.seq}',
          f'--filters={FLAGS.filters}', f'--image={FLAGS.image}']
   if layer_counts:
     cmd.append('--layer_counts=' + ','.join(map(str, layer_counts)))
-  env = memory_limit.CappedEnv(int(FLAGS.budget_mib) if config == 'naive-1'
+  env = memory_limit.CappedEnv(int(Budget(family)) if config == 'naive-1'
                                else None)
   env['TF_CPP_MIN_LOG_LEVEL'] = '2'
   start = time.time()
@@ -288,8 +298,8 @@ class Predictor:
     of a trial's measured peak to the prediction calibrates the model for
     this configuration's next guess.
     """
-    step, smallest, _ = FAMILIES[self.family]
-    budget = FLAGS.budget_mib * MIB / scale
+    step, smallest, _, _ = FAMILIES[self.family]
+    budget = Budget(self.family) * MIB / scale
     limit = FLAGS.max_size
 
     def Fits(size):
@@ -326,7 +336,7 @@ def Search(family, config, predictor, start, log):
   bisects between the largest size that fitted and the smallest that did
   not, within --max_trials.
   """
-  step, smallest, _ = FAMILIES[family]
+  step, smallest, _, _ = FAMILIES[family]
   predicted = predictor.Largest(config, start)
   log(f'{family} {config}: the memory model predicts {predicted} fits')
   trials = {}
@@ -418,9 +428,11 @@ def main(argv):
 
 
 def _Report(results, bench_lib, seconds):
-  print(f'\nLargest model that trains one step, every device capped at '
-        f'{FLAGS.budget_mib:.0f} MiB (worker processes with their own '
-        f'allocator), batch {FLAGS.batch}, Adam; {seconds / 60:.1f} min')
+  budgets = ', '.join(f'{family} {Budget(family):.0f} MiB'
+                      for family in FLAGS.families)
+  print(f'\nLargest model that trains one step, every device capped ('
+        f'{budgets}; worker processes with their own allocator), batch '
+        f'{FLAGS.batch}, Adam; {seconds / 60:.1f} min')
   rows = []
   for family in FLAGS.families:
     mine = [r for r in results if r['family'] == family]
@@ -453,7 +465,8 @@ def _Report(results, bench_lib, seconds):
       'benchmark': 'largest_model', 'results': results,
       'flags': {name: FLAGS[name].value for name in (
           'budget_mib', 'families', 'configs', 'batch', 'dim', 'seq',
-          'filters', 'image')}})
+          'filters', 'image')},
+      'budgets_mib': {family: Budget(family) for family in FLAGS.families}})
 
 
 if __name__ == '__main__':
