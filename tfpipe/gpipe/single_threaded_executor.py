@@ -1,0 +1,56 @@
+"""What TensorFlow's single-threaded executor cannot run, found at trace time.
+
+A worker process's cell runs each action as a call on the single-threaded
+executor (cell_runtime.py, issue 23). That executor runs a function's ops
+one after another in one topological order, with no frames and no dead
+tensors, so it refuses some graphs, and when it does the step fails only
+on worker processes, long after tracing, often as a bare CancelledError
+that names nothing of the user's model:
+
+  * control flow: tf.cond, tf.switch_case, tf.while_loop, tf.map_fn, and
+    through them Keras' LSTM and GRU (a while loop in the TensorFlow
+    backend), trace to functional If/Case/While ops, which the function
+    runtime lowers to Switch/Merge/Enter/Exit/NextIteration before the
+    executor sees them (or tf.compat.v1 control flow made them); the
+    executor rejects those;
+  * Python functions (tf.py_function, tf.numpy_function): on a worker the
+    step hung instead of failing with TensorFlow's error that the Python
+    function is not in that process.
+
+A call whose function (or a function it calls: branches, loop bodies,
+nested tf.functions) holds such an op keeps the default executor. What the
+executor accepts was checked on worker processes for those constructs and
+for integer and string side inputs (tf.strings hashing, tf.gather) and
+nested tf.function calls (tests/gpipe/remote_runtime_test.py).
+"""
+
+import weakref
+
+# Functional control flow (lowered to the low-level ops before execution),
+# the low-level control-flow ops themselves, and Python functions. (The
+# executor also refuses reference-typed outputs, which a TF 2 function
+# cannot hold.)
+_REFUSED_OPS = frozenset([
+    'If', 'StatelessIf', '_If', 'Case', 'StatelessCase', 'While',
+    'StatelessWhile', '_While', 'Switch', '_SwitchN', 'Merge', 'Enter',
+    'Exit', 'NextIteration', 'LoopCond',
+    'PyFunc', 'PyFuncStateless', 'EagerPyFunc'])
+
+_verdicts = weakref.WeakKeyDictionary()  # concrete function -> op type or ''
+
+
+def UnsupportedOp(function):
+  """The type of an op in `function` that the executor cannot run, or None.
+
+  Args:
+    function: a concrete function; the functions it calls (its graph's
+      library) are searched too.
+  """
+  if function not in _verdicts:
+    graph_def = function.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for called in graph_def.library.function:
+      nodes.extend(called.node_def)
+    _verdicts[function] = next(
+        (n.op for n in nodes if n.op in _REFUSED_OPS), '')
+  return _verdicts[function] or None
