@@ -85,7 +85,14 @@ class StringIndexLayer(_Dense):
     return tf.gather(self.Apply(x), tf.argsort(buckets), axis=1)
 
 
-class NestedFunctionLayer(_Dense):
+class InlinedFunctionLayer(_Dense):
+  """Calls a tf.function (inlined before it runs)."""
+
+  def call(self, x):
+    return tf.function(self.Apply, autograph=False)(x)
+
+
+class NoInlineFunctionLayer(_Dense):
   """Calls a tf.function that stays a call."""
 
   def call(self, x):
@@ -119,12 +126,16 @@ def _LayerFunction(name):
 _LAYERS = {'cond': CondLayer, 'switch_case': SwitchCaseLayer,
            'while_loop': WhileLoopLayer, 'map_fn': MapFnLayer,
            'py_function': PyFunctionLayer, 'string_index': StringIndexLayer,
-           'nested_function': NestedFunctionLayer}
+           'inlined_function': InlinedFunctionLayer,
+           'noinline_function': NoInlineFunctionLayer}
 # Stateful ops (If, While, Case): the branches and bodies read a variable.
 _REFUSED = {'cond': 'If', 'switch_case': 'Case', 'while_loop': 'While',
             'map_fn': 'While', 'lstm': 'While', 'gru': 'While',
             'py_function': 'EagerPyFunc', 'string_index': None,
-            'nested_function': None}
+            'inlined_function': None,
+            'noinline_function': 'StatefulPartitionedCall of '}
+# On a worker these hung; in one process they run.
+_HUNG = ('py_function', 'noinline_function')
 
 
 def _Traced(name):
@@ -138,7 +149,11 @@ def _Traced(name):
 @pytest.mark.parametrize('name', sorted(_REFUSED))
 def test_unsupported_op_names_what_the_executor_refuses(name):
   function, _ = _Traced(name)
-  assert single_threaded_executor.UnsupportedOp(function) == _REFUSED[name]
+  found = single_threaded_executor.UnsupportedOp(function)
+  if _REFUSED[name] is None:
+    assert found is None
+  else:
+    assert found.startswith(_REFUSED[name]), found
 
 
 def test_ops_of_called_functions_are_found():
@@ -157,11 +172,12 @@ def test_ops_of_called_functions_are_found():
 
 
 @pytest.mark.parametrize('name', sorted(
-    n for n in _REFUSED if n != 'py_function'))
+    n for n in _REFUSED if n not in _HUNG))
 def test_the_executor_runs_what_is_accepted_and_refuses_the_rest(name):
   """What UnsupportedOp accepts gives the default executor's result on the
   single-threaded one; the control flow it refuses fails there. (A Python
-  function runs there in one process; on a worker, it hung.)"""
+  function and a nested call that stays one run there in one process; on
+  a worker they hung.)"""
   function, x = _Traced(name)
   expected = function(x)
   with tf.experimental.function_executor_type(

@@ -47,10 +47,10 @@ until it had nothing left to do, and the stages ran one after the other
 (benchmarks/RESULTS.md, issue 23). With two, the second thread hands
 tensors on while the first computes, and the single-threaded executor
 keeps each action's ops on one thread, one at a time, so a worker still
-computes on one core. A call whose function holds an op that executor
-cannot run (a while loop, a cond, a Python function:
-single_threaded_executor.py) keeps the default executor, and a line in
-the log names the cell and the op, once.
+computes on one core. A call whose function holds what that executor
+cannot run (a while loop, a cond, a Python function, a nested call that
+stays a call: single_threaded_executor.py) keeps the default executor,
+and a line in the log names the cell and the op, once.
 """
 
 import contextlib
@@ -239,7 +239,7 @@ class CellRuntime:
       self._logged_unsupported_op = True
       logging.warning(
           'tfpipe: cell %d (%s): TensorFlow\'s single-threaded executor '
-          'cannot run its %s op; the calls holding one run on the default '
+          'cannot run its %s; the calls holding it run on the default '
           'executor.', self.index, self.cell.name, op_type)
     return not op_type
 

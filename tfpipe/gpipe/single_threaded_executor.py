@@ -15,13 +15,19 @@ that names nothing of the user's model:
     executor rejects those;
   * Python functions (tf.py_function, tf.numpy_function): on a worker the
     step hung instead of failing with TensorFlow's error that the Python
-    function is not in that process.
+    function is not in that process;
+  * a call that stays a call (a tf.function with the `_noinline`
+    attribute) on the default executor: inside a single-threaded call it
+    needs a free thread of the worker's inter-op pool, which the worker's
+    other single-threaded calls may all hold, and the step hung. (Calls
+    of other tf.functions are inlined before they run.)
 
 A call whose function (or a function it calls: branches, loop bodies,
 nested tf.functions) holds such an op keeps the default executor. What the
 executor accepts was checked on worker processes for those constructs and
 for integer and string side inputs (tf.strings hashing, tf.gather) and
-nested tf.function calls (tests/gpipe/remote_runtime_test.py).
+nested tf.function calls, inlined or not
+(tests/gpipe/remote_runtime_test.py).
 """
 
 import weakref
@@ -36,21 +42,39 @@ _REFUSED_OPS = frozenset([
     'Exit', 'NextIteration', 'LoopCond',
     'PyFunc', 'PyFuncStateless', 'EagerPyFunc'])
 
+_CALL_OPS = frozenset(['PartitionedCall', 'StatefulPartitionedCall'])
+_SINGLE_THREADED = b'SINGLE_THREADED_EXECUTOR'
+
 _verdicts = weakref.WeakKeyDictionary()  # concrete function -> op type or ''
 
 
 def UnsupportedOp(function):
-  """The type of an op in `function` that the executor cannot run, or None.
+  """What in `function` the executor cannot run, or None.
 
   Args:
     function: a concrete function; the functions it calls (its graph's
       library) are searched too.
+
+  Returns:
+    The op's type, e.g. 'While', or for a call on the default executor
+    that stays a call, e.g. "StatefulPartitionedCall of 'f' (_noinline)".
   """
   if function not in _verdicts:
-    graph_def = function.graph.as_graph_def()
-    nodes = list(graph_def.node)
-    for called in graph_def.library.function:
-      nodes.extend(called.node_def)
-    _verdicts[function] = next(
-        (n.op for n in nodes if n.op in _REFUSED_OPS), '')
+    _verdicts[function] = _Find(function.graph.as_graph_def()) or ''
   return _verdicts[function] or None
+
+
+def _Find(graph_def):
+  nodes = list(graph_def.node)
+  noinline = set()
+  for called in graph_def.library.function:
+    nodes.extend(called.node_def)
+    if called.attr['_noinline'].b:
+      noinline.add(called.signature.name)
+  for node in nodes:
+    if node.op in _REFUSED_OPS:
+      return node.op
+    if (node.op in _CALL_OPS and node.attr['f'].func.name in noinline and
+        node.attr['executor_type'].s != _SINGLE_THREADED):
+      return f"{node.op} of {node.attr['f'].func.name!r} (_noinline)"
+  return None
