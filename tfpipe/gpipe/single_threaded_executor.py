@@ -7,9 +7,9 @@ tensors, so it refuses some graphs, and when it does the step fails only
 on worker processes, long after tracing, often as a bare CancelledError
 that names nothing of the user's model:
 
-  * control flow: tf.cond, tf.switch_case, tf.while_loop, tf.map_fn, and
-    through them Keras' LSTM and GRU (a while loop in the TensorFlow
-    backend), trace to functional If/Case/While ops, which the function
+  * control flow: tf.cond, tf.switch_case, tf.while_loop and tf.map_fn,
+    and so Keras' LSTM and GRU (a while loop in the TensorFlow backend),
+    trace to functional If/Case/While ops, which the function
     runtime lowers to Switch/Merge/Enter/Exit/NextIteration before the
     executor sees them (or tf.compat.v1 control flow made them); the
     executor rejects those;
