@@ -47,13 +47,17 @@ until it had nothing left to do, and the stages ran one after the other
 (benchmarks/RESULTS.md, issue 23). With two, the second thread hands
 tensors on while the first computes, and the single-threaded executor
 keeps each action's ops on one thread, one at a time, so a worker still
-computes on one core.
+computes on one core. A call whose function holds what that executor
+cannot run (a while loop, a cond, a Python function, a nested call that
+stays a call: single_threaded_executor.py) keeps the default executor,
+and a line in the log names the cell and the op, once.
 """
 
 import contextlib
 import dataclasses
 from typing import Any
 
+from absl import logging
 import tensorflow as tf
 from tensorflow.python.eager import context  # pylint: disable=g-direct-tensorflow-import
 
@@ -62,6 +66,7 @@ from tfpipe import placement
 from tfpipe.gpipe import accumulators
 from tfpipe.gpipe import cell_program
 from tfpipe.gpipe import microbatch
+from tfpipe.gpipe import single_threaded_executor
 from tfpipe.gpipe import split_backward
 
 # Errors a cell raises when its layers do not fit its input.
@@ -162,6 +167,7 @@ class CellRuntime:
     self.device = device
     self._inline_backward = inline_backward
     self._on_worker_cpu = None  # OnWorkerCpu(device), once connected.
+    self._logged_unsupported_op = False
     self.accumulators = accumulators.GradientAccumulators(device)
     self.programs = cell_program.ProgramCache()
     self._describe_error = describe_error
@@ -206,7 +212,8 @@ class CellRuntime:
       raise self._describe_error(self.index, x, e) from e
 
   def _SingleThreadedCalls(self):
-    """Whether graph actions are single-threaded calls (module docstring).
+    """Whether graph actions are single-threaded calls (module docstring),
+    those whose functions that executor can run (_SingleThreadedCall).
 
     Only for a cell whose variables are all on its device: the
     single-threaded executor cannot run a function that spans devices, as
@@ -220,15 +227,32 @@ class CellRuntime:
           for v in self.Variables())
     return self._on_worker_cpu
 
+  def _SingleThreadedCall(self, function):
+    """Whether calls of `function` run on the single-threaded executor: on
+    a worker's CPU, unless it holds an op that executor cannot run (logged
+    once per cell). A Python function is no call: its ops join the
+    caller's graph."""
+    if not self._SingleThreadedCalls() or not hasattr(function, 'graph'):
+      return False
+    op_type = single_threaded_executor.UnsupportedOp(function)
+    if op_type and not self._logged_unsupported_op:
+      self._logged_unsupported_op = True
+      logging.warning(
+          'tfpipe: cell %d (%s): TensorFlow\'s single-threaded executor '
+          'cannot run its %s; the calls holding it run on the default '
+          'executor.', self.index, self.cell.name, op_type)
+    return not op_type
+
   def _Action(self, program, function):
     """`function` as this device's actions call it: a call that stays one
-    on a worker's CPU, else as it is."""
-    if self._SingleThreadedCalls():
+    on the single-threaded executor on a worker's CPU, else as it is."""
+    if self._SingleThreadedCall(function):
       return _NoInline(program, function, single_threaded=True)
     return function
 
   def _Call(self, function, args):
-    with tf.device(self.device), _SingleThreaded(self._SingleThreadedCalls()):
+    with tf.device(self.device), _SingleThreaded(
+        self._SingleThreadedCall(function)):
       return _List(function(*args))
 
   def _Accumulating(self, program, function, num_weights, connected, modes,
@@ -245,7 +269,7 @@ class CellRuntime:
     """
     variables = [program.variables[i] for i in connected]
 
-    single_threaded = self._SingleThreadedCalls()
+    single_threaded = self._SingleThreadedCall(function)
 
     def Run(*args):
       with tf.device(self.device), _SingleThreaded(single_threaded):
@@ -281,7 +305,8 @@ class CellRuntime:
       # ones' (measured on the one-cell 1F1B step, where every action is a
       # fused F+B+W), and their activations and weight gradients pile up:
       # only a step's single accumulation (M=1) is inlined.
-      noinline = (not self._inline_backward or self._SingleThreadedCalls() or
+      noinline = (not self._inline_backward or
+                  self._SingleThreadedCall(function) or
                   any(mode != accumulators.ONLY for mode in modes))
     run = self._Accumulating(program, function, num_weights, connected,
                              modes, pack, noinline)
@@ -388,13 +413,13 @@ class CellRuntime:
     if isinstance(record, KeptInput):
       part = cut.Part(split_backward.RECOMPUTE_INPUT_GRADIENT)
       function = _NoInline(program, part.function,
-                           self._SingleThreadedCalls())
+                           self._SingleThreadedCall(part.function))
     else:
       part = cut.Part(split_backward.INPUT_GRADIENT)
+      single_threaded = self._SingleThreadedCall(part.function)
       function = (part.function if self._inline_backward and
-                  not self._SingleThreadedCalls() else
-                  _NoInline(program, part.function,
-                            self._SingleThreadedCalls()))
+                  not single_threaded else
+                  _NoInline(program, part.function, single_threaded))
     results = self._Call(function, [values[n] for n in part.feeds])
     values.update(zip(part.fetches, results))
     weight_feeds = cut.Part(split_backward.WEIGHT_GRADIENT).feeds
