@@ -166,6 +166,11 @@ class CappedWorkers:
   def Alive(self):
     return all(proc.poll() is None for proc in self._procs)
 
+  def Exited(self):
+    """[(task, exit status)] of the workers that have exited."""
+    return [(k, proc.poll()) for k, proc in enumerate(self._procs)
+            if proc.poll() is not None]
+
   def Close(self):
     self._children.Close()
 

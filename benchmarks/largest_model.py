@@ -156,14 +156,15 @@ def _RunTrial():
           balance=[int(c) for c in FLAGS.layer_counts],
           devices=workers.devices)
       task = p.task.Instantiate()
-      for _ in range(2):
-        float(task.TrainStep(batch)['loss'])
+      _StepsWatchingWorkers(lambda: [float(task.TrainStep(batch)['loss'])
+                                     for _ in range(2)], workers)
       result['peaks'] = workers.Peaks()
     result['fits'] = True
   except Exception as e:  # pylint: disable=broad-except
     records = out_of_memory.FindInError(e)
     result.update(fits=False, out_of_memory=bool(
-        records or out_of_memory.IsOutOfMemoryError(e)),
+        records or out_of_memory.IsOutOfMemoryError(e) or
+        isinstance(e, WorkerDied)),
                   error=(records[0].device + ': ' + records[0].Describe()
                          if records else f'{type(e).__name__}: '
                          f'{str(e).splitlines()[0][:300]}'))
@@ -172,6 +173,41 @@ def _RunTrial():
   if workers:
     workers.Close()
   os._exit(0)  # pylint: disable=protected-access
+
+
+class WorkerDied(Exception):
+  """A capped worker exited during a trial."""
+
+
+def _StepsWatchingWorkers(steps, workers):
+  """Runs `steps`; raises WorkerDied as soon as a worker exits.
+
+  A capped worker does not always fail an allocation with an error: a
+  oneDNN kernel (TensorFlow's default CPU kernels for convolutions) that
+  the capped allocator refuses memory crashed its process (segmentation
+  fault, AmoebaNet, 2026-11-25), and the controller then waited for it
+  forever. A crash is out of memory here: the same trial with
+  TF_ENABLE_ONEDNN_OPTS=0 fails with ResourceExhaustedError instead.
+  """
+  import threading  # pylint: disable=g-import-not-at-top
+  outcome = []
+
+  def Run():
+    try:
+      steps()
+      outcome.append(None)
+    except Exception as e:  # pylint: disable=broad-except
+      outcome.append(e)
+  thread = threading.Thread(target=Run, daemon=True)
+  thread.start()
+  while thread.is_alive():
+    thread.join(0.5)
+    exited = workers.Exited()
+    if exited and thread.is_alive():
+      raise WorkerDied('; '.join(
+          f'worker {k} died (exit status {status})' for k, status in exited))
+  if outcome[0] is not None:
+    raise outcome[0]
 
 
 def _NaiveSteps(p, batch):
