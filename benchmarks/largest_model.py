@@ -182,12 +182,12 @@ class WorkerDied(Exception):
 def _StepsWatchingWorkers(steps, workers):
   """Runs `steps`; raises WorkerDied as soon as a worker exits.
 
-  A capped worker does not always fail an allocation with an error: a
-  oneDNN kernel (TensorFlow's default CPU kernels for convolutions) that
-  the capped allocator refuses memory crashed its process (segmentation
-  fault, AmoebaNet, 2026-11-25), and the controller then waited for it
-  forever. A crash is out of memory here: the same trial with
-  TF_ENABLE_ONEDNN_OPTS=0 fails with ResourceExhaustedError instead.
+  A capped process does not always fail an allocation with an error:
+  AmoebaNet's trials crashed (a segmentation fault in plain Keras, an abort
+  in a worker; benchmarks/RESULTS.md) where the same naive trial with
+  TensorFlow's oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0) fails with
+  ResourceExhaustedError, and the controller then waited for the dead
+  worker until the trial's timeout. A crash is taken as out of memory.
   """
   import threading  # pylint: disable=g-import-not-at-top
   outcome = []
