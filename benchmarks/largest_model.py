@@ -64,6 +64,9 @@ flags.DEFINE_integer('filters', 32, 'AmoebaNet: D.')
 flags.DEFINE_integer('image', 16, 'AmoebaNet: image size.')
 flags.DEFINE_integer('max_trials', 4, 'Trials per configuration at most.')
 flags.DEFINE_integer('max_size', 192, 'Largest size the search considers.')
+flags.DEFINE_integer('first_size', 0, 'The first trial\'s size, in place of '
+                     'the memory model\'s prediction (0): a lower one when '
+                     'the predicted size takes longer than a trial may.')
 flags.DEFINE_integer('trial_timeout_s', 600, 'Timeout of one trial; one '
                      'that times out stops its search (no memory verdict).')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
@@ -401,7 +404,7 @@ def Search(family, config, predictor, start, log):
 
   # A trial that times out says nothing about memory: the search stops
   # there, and the largest size that fitted is a lower bound.
-  size = max(predicted, smallest)
+  size = max(FLAGS.first_size or predicted, smallest)
   Run(size)
   while len(trials) < FLAGS.max_trials and not TimedOut():
     good, bad = Bounds()
