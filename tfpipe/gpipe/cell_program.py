@@ -363,7 +363,10 @@ class ProgramCache:
     for (k, s), program in reversed(self._entries.items()):
       if k != key:
         continue
-      if all(a.is_compatible_with(b) for a, b in zip(program.specs, specs)):
+      # The program's specs must accept every input these specs allow
+      # (tf.function's rule): one traced for [4, 4] is no program for an
+      # input of unknown rank, though their shapes are "compatible".
+      if all(b.is_subtype_of(a) for a, b in zip(program.specs, specs)):
         self._entries.move_to_end((k, s))
         return program
       related = related or program
