@@ -107,7 +107,8 @@ def test_a_python_function_on_another_process_is_refused_when_traced(device):
   """Its Python code exists only here: a worker's CPU or GPU could never run
   it (the step failed late, or hung). This process's devices trace it."""
   with pytest.raises(cell_program.CellPlacementError,
-                     match=r'cell 3 \(py_cell\) holds a EagerPyFunc op .* '
+                     match=r'cell 3 \(py_cell\) holds a Python function \(a '
+                     r'EagerPyFunc op.* '
                      f'placed on {device}.*input pipeline'):
     _PyFunctionProgram(device).Forward()
   _PyFunctionProgram('/CPU:1').Forward()

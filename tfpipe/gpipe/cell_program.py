@@ -259,10 +259,10 @@ class CellProgram:
     op_type = single_threaded_executor.PythonFunctionOp(function)
     if op_type:
       raise CellPlacementError(
-          f'cell {self._index} ({self._cell.name}) holds a {op_type} op (a '
-          f'tf.py_function or tf.numpy_function) but is placed on '
-          f'{self._device}, a device of another process, where its Python '
-          'function does not exist. Compute it in the input pipeline '
+          f'cell {self._index} ({self._cell.name}) holds a Python function '
+          f'(a {op_type} op, from tf.py_function or tf.numpy_function) but '
+          f'is placed on {self._device}, a device of another process, where '
+          'its Python function does not exist. Compute it in the input pipeline '
           '(tf.data), or place this cell on a device of this process.')
 
   def Forward(self):

@@ -16,7 +16,7 @@ that names nothing of the user's model:
   * Python functions (tf.py_function, tf.numpy_function): on a worker the
     step hung instead of failing with TensorFlow's error that the Python
     function is not in that process. They cannot run on a worker on any
-    executor, so a cell holding one on another process's device is now
+    executor, so a cell holding one on another process's device is
     refused when its functions are traced (cell_program.py,
     PythonFunctionOp);
   * a call that stays a call (a tf.function with the `_noinline`
