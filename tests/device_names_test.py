@@ -32,6 +32,16 @@ def test_names_of_different_devices_stay_apart():
                                      '/CPU:0')
 
 
+def test_another_process_is_told_by_job_and_task_not_device_type():
+  """This process (not in a cluster) is job 'localhost': its logical devices
+  are its own; a worker task's CPU and GPU are another process's."""
+  for local in ('/CPU:1', '/GPU:0', '/job:localhost/replica:0/task:0/CPU:0'):
+    assert not device_names.OnOtherProcess(local), local
+  for remote in ('/job:worker/replica:0/task:1/device:CPU:0',
+                 '/job:worker/task:0/device:GPU:0'):
+    assert device_names.OnOtherProcess(remote), remote
+
+
 def test_a_variable_reports_the_canonical_name_of_its_device():
   with tf.device('/CPU:1'):
     v = tf.Variable(1.0)

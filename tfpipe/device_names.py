@@ -37,6 +37,23 @@ def SameDevice(a, b):
   return CanonicalDevice(a) == CanonicalDevice(b)
 
 
+def OnOtherProcess(device):
+  """Whether `device` belongs to another process's server (a worker task).
+
+  A device of this process (job 'localhost', or this process's own job and
+  task once it joined a cluster) runs what this process holds, Python
+  functions included; another process's device, whatever its type, runs
+  only what TensorFlow sends it.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+  spec = tf.DeviceSpec.from_string(device)
+  if spec.job in (None, 'localhost'):
+    return False
+  local = tf.DeviceSpec.from_string(context.context().host_address_space())
+  return (spec.job, spec.task or 0) != (local.job, local.task or 0)
+
+
 def WorkerDevices(num_cells, num_workers, num_replicas=1,
                   device_type='CPU', job=cluster_spec.WORKER_JOB,
                   devices_per_worker=1):

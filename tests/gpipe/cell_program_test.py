@@ -1,11 +1,16 @@
 """A cell's traced programs: what is differentiable, and a bounded, relaxed cache."""
 
+import types
+
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.gpipe import pipelining_layer_test as plt_test
+from tests.gpipe import single_threaded_executor_test as ste_test
 from tfpipe import layers
 from tfpipe.gpipe import cell_program
+from tfpipe.gpipe import cell_runtime
 
 _Pipeline = plt_test._Pipeline  # pylint: disable=protected-access
 _Data = plt_test._Data  # pylint: disable=protected-access
@@ -59,3 +64,51 @@ def test_program_caches_are_bounded_and_follow_loss_fn_and_batch_changes():
     ref_loss, _ = plt_test._Reference(layer_params, x[:batch], y[:batch])  # pylint: disable=protected-access
     np.testing.assert_allclose(out.loss, scale * ref_loss, rtol=1e-5)
   assert len(pipe.runtime.cells[0][-1].programs) <= cell_program.MAX_PROGRAMS
+
+
+def test_program_cache_keeps_unknown_rank_when_relaxing():
+  """A cell fed a tf.py_function's output (unknown rank): its signature is
+  cached (this raised 'Cannot iterate over a shape with unknown rank'), the
+  program traced for a known shape is not reused for it, and the relaxed
+  program keeps the rank unknown and serves inputs of any rank."""
+  cache = cell_program.ProgramCache()
+  built = []
+
+  def Build(specs):
+    built.append(types.SimpleNamespace(specs=list(specs)))
+    return built[-1]
+  known = [tf.TensorSpec([4, plt_test.DIM], tf.float32)]
+  unknown = [tf.TensorSpec(None, tf.float32)]
+  assert cache.Get('key', known, Build) is built[0]
+  relaxed = cache.Get('key', unknown, Build)
+  assert relaxed is built[1]
+  assert relaxed.specs[0].shape.rank is None
+  for specs in (unknown, [tf.TensorSpec([2, 3, 5], tf.float32)]):
+    assert cache.Get('key', specs, Build) is relaxed
+  assert cache.Get('key', known, Build) is built[0]  # Exactly its own.
+  assert len(built) == 2
+
+
+def _PyFunctionProgram(device):
+  cell = ste_test.PyFunctionLayer(seed=1, name='py_cell')
+  x = plt_test._Data()[0]  # pylint: disable=protected-access
+  cell(x)  # Builds it.
+  inputs = cell_runtime.ActionInputs(x, tf.constant([1, 2], tf.int64),
+                                     tf.constant(0, tf.int64))
+  specs = [tf.TensorSpec(t.shape, t.dtype) for t in inputs.Present()]
+  return cell_program.CellProgram(cell, 3, device, inputs.Structure(), specs,
+                                  [], True, None)
+
+
+@pytest.mark.parametrize('device', [
+    '/job:worker/replica:0/task:1/device:CPU:0',
+    '/job:worker/replica:0/task:0/device:GPU:1'])
+def test_a_python_function_on_another_process_is_refused_when_traced(device):
+  """Its Python code exists only here: a worker's CPU or GPU could never run
+  it (the step failed late, or hung). This process's devices trace it."""
+  with pytest.raises(cell_program.CellPlacementError,
+                     match=r'cell 3 \(py_cell\) holds a Python function \(a '
+                     r'EagerPyFunc op.* '
+                     f'placed on {device}.*input pipeline'):
+    _PyFunctionProgram(device).Forward()
+  _PyFunctionProgram('/CPU:1').Forward()

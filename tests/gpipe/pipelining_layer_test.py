@@ -436,6 +436,69 @@ def test_error_cell_output_does_not_fit_next_cell():
     pipe(tf.ones([4, DIM]))
 
 
+class _UnknownRankLayer(keras.layers.Layer):
+  """Doubles its input in a tf.py_function, whose output has unknown rank
+  (Keras is told the shape, as a user's compute_output_shape would)."""
+
+  def call(self, x):
+    return tf.py_function(lambda t: 2.0 * t, [x], tf.float32)
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+
+class _StaticWidthLayer(keras.layers.Layer):
+  """Reads its input's static last dimension, which unknown rank lacks."""
+
+  def call(self, x):
+    return tf.matmul(x, tf.ones([x.shape[-1], DIM]))
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+
+def _UnknownRankPipeline(layer_params, remat_policy='always'):
+  """Two cells; cell 0 ends in _UnknownRankLayer."""
+  layer_params = (layer_params[:1] + [layers.KerasLayer.Params().Set(
+      name='unknown_rank', cls=_UnknownRankLayer)] + layer_params[1:])
+  cells = gpipe.PartitionSequentialLayers(
+      layer_params, 2, balance=[2, len(layer_params) - 2])
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=3, devices=_Devices(2),
+      remat_policy=remat_policy).Instantiate()
+  return pipe, layer_params
+
+
+@pytest.mark.parametrize('remat', ['always', 'never'])
+def test_a_cell_output_of_unknown_rank_feeds_the_next_cell(remat):
+  """A Python function's output (unknown rank) crosses cells on this
+  process's devices: the step equals the plain model's."""
+  pipe, layer_params = _UnknownRankPipeline(_LayerParams(3), remat)
+  x, y = _Data()
+  ref_loss, ref_grads = _Reference(layer_params, x, y)
+  out = pipe.ComputeLossAndGradients(x, y, _Loss)
+  np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+  _AssertAllClose(out.gradients, ref_grads)
+
+
+def test_error_on_an_input_of_unknown_rank_names_the_cell():
+  pipe, _ = _UnknownRankPipeline([
+      layers.FCLayer.Params().Set(name='fc0', input_dims=DIM, output_dims=DIM),
+      layers.KerasLayer.Params().Set(name='static', cls=_StaticWidthLayer)])
+  with pytest.raises(ValueError, match=r'cell 1 \(cell1\) failed on the '
+                     r'output of cell 0 \(cell0\) with shapes <unknown rank>'
+                     r'.*tf.ensure_shape'):
+    pipe(tf.ones([4, DIM]))
+  # The last cell's output has unknown rank too (FCLayer keeps it): an
+  # error of a loss_fn reading its static width stays the loss_fn's own.
+  pipe, _ = _UnknownRankPipeline(_LayerParams(2))
+  with pytest.raises((ValueError, TypeError)) as info:
+    pipe.ComputeLossAndGradients(
+        tf.ones([4, DIM]), tf.ones([4, DIM]),
+        lambda out, t: _Loss(tf.reshape(out, [-1, out.shape[-1]]), t))
+  assert 'output shapes <unknown rank>' in ''.join(info.value.__notes__)
+
+
 def test_error_unknown_remat_policy_and_schedule():
   with pytest.raises(ValueError, match="pipe.remat_policy must be one of .*"
                      "Received: remat_policy='sometimes'"):

@@ -9,11 +9,12 @@ process on the same batch. So must cells holding what users' models bring
 (control flow, Keras LSTM and GRU, integer and string side inputs, nested
 tf.functions: single_threaded_executor_test.py), whose calls the
 single-threaded executor either runs or, where it cannot, leaves to the
-default executor; a tf.py_function, which cannot run on a worker, fails
-there instead of hanging. Starting TensorFlow processes costs seconds, so
-one probe process per test (this file run as a module) starts two workers
-of two CPU devices each, checks every configuration, prints one JSON line
-per check and kills the workers; the test reads the lines.
+default executor; a tf.py_function, which cannot run on a worker, is
+refused when its cell is traced, with an error naming the cell, instead of
+hanging. Starting TensorFlow processes costs seconds, so one probe process
+per test (this file run as a module) starts two workers of two CPU devices
+each, checks every configuration, prints one JSON line per check and kills
+the workers; the test reads the lines.
 """
 # bazel: deps=//tfpipe:local_cluster,//tfpipe:network_namespace,//tfpipe:servers
 
@@ -21,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -98,9 +100,9 @@ def _ConstructConfigs():
           ste_test.Params(ste_test.NoInlineFunctionLayer, 'noinline', 3),
           fc[0]], schedule='gpipe', executors={
               '0': [_SINGLE_THREADED], '1': ['default']})),
-      # The Python function is not in the worker's process. TensorFlow's
-      # error says so, though it may reach here as a CancelledError of the
-      # step's other calls. Last: the workers need not serve on after it.
+      # The Python function is not in the worker's process: refused when
+      # the cell is traced, before anything runs (it hung, or failed late
+      # as a bare CancelledError). Last: the workers need not serve on.
       ('py_function', dict(layers=fc + [
           ste_test.Params(ste_test.PyFunctionLayer, 'py_function', 1)],
                            schedule='gpipe', fails=True)),
@@ -196,10 +198,12 @@ def _CheckConstructs():
         schedule=c['schedule'], executor='graph').Instantiate()
     check = {'name': name}
     if c.get('fails'):
+      start = time.monotonic()
       try:
         pipe.ComputeLossAndGradients(x, y, plt_test._Loss)  # pylint: disable=protected-access
-      except tf.errors.OpError as e:
-        check['error'] = type(e).__name__
+      except Exception as e:  # pylint: disable=broad-except
+        check.update(error=type(e).__name__, message=str(e))
+      check['seconds'] = time.monotonic() - start
     else:
       ref_loss, ref_grads = plt_test._Reference(c['layers'], x, y)  # pylint: disable=protected-access
       out = pipe.ComputeLossAndGradients(x, y, plt_test._Loss)  # pylint: disable=protected-access
@@ -283,14 +287,20 @@ def test_every_schedule_on_worker_processes_equals_one_process():
 def test_cells_of_users_constructs_on_worker_processes_equal_one_process():
   """A cell holding control flow keeps the default executor for its calls
   (the single-threaded one refused them) and trains exactly; one without
-  stays on the single-threaded executor; a py_function fails instead of
-  hanging."""
+  stays on the single-threaded executor; a py_function is refused at
+  trace time instead of hanging."""
   checks = _RunProbe('constructs')
   configs = dict(_ConstructConfigs())
   assert sorted(checks) == sorted(configs)
   for name, check in checks.items():
     if configs[name].get('fails'):
-      assert 'error' in check, check
+      # The error names the cell, the op and the fix, and comes at once
+      # (a bound far below the probe's timeout: it no longer hangs).
+      assert check.get('error') == 'CellPlacementError', check
+      for part in ('cell 1 (cell1)', 'EagerPyFunc', '/job:worker/',
+                   'input pipeline'):
+        assert part in check['message'], check
+      assert check['seconds'] < _PROBE_TIMEOUT_S / 4, check
       continue
     assert check['num_gradients'] == check['num_reference_gradients'], check
     _AssertExact(check)

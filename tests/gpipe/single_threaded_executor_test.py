@@ -134,21 +134,27 @@ _REFUSED = {'cond': 'If', 'switch_case': 'Case', 'while_loop': 'While',
             'py_function': 'EagerPyFunc', 'string_index': None,
             'inlined_function': None,
             'noinline_function': 'StatefulPartitionedCall of '}
-# On a worker these hung; in one process they run.
+# On a worker these hung (a Python function is now refused there:
+# cell_program.py); in one process they run.
 _HUNG = ('py_function', 'noinline_function')
 
 
 def _Traced(name):
+  """(the concrete function of a layer holding `name`, its input, the layer).
+
+  A concrete function holds its variables weakly: the caller keeps the
+  layer, or the next garbage collection deletes them.
+  """
   layer, x = _LayerFunction(name)
   layer(x)  # Builds it.
   function = tf.function(layer, autograph=False).get_concrete_function(
       tf.TensorSpec(x.shape, x.dtype))
-  return function, x
+  return function, x, layer
 
 
 @pytest.mark.parametrize('name', sorted(_REFUSED))
 def test_unsupported_op_names_what_the_executor_refuses(name):
-  function, _ = _Traced(name)
+  function, _, _ = _Traced(name)
   found = single_threaded_executor.UnsupportedOp(function)
   if _REFUSED[name] is None:
     assert found is None
@@ -158,7 +164,7 @@ def test_unsupported_op_names_what_the_executor_refuses(name):
 
 def test_ops_of_called_functions_are_found():
   """A cond inside a tf.function the traced one calls, and a
-  tf.numpy_function (a PyFunc op)."""
+  tf.numpy_function (a PyFunc op), directly and inside a called one."""
   inner = tf.function(lambda x: tf.cond(tf.reduce_sum(x) > 0, lambda: x,
                                         lambda: -x), autograph=False)
   outer = tf.function(lambda x: inner(x) + 1.0, autograph=False)
@@ -169,6 +175,14 @@ def test_ops_of_called_functions_are_found():
       lambda x: tf.numpy_function(np.sin, [x], tf.float32), autograph=False)
   assert single_threaded_executor.UnsupportedOp(
       numpy_function.get_concrete_function(spec)) == 'PyFunc'
+  # The Python functions alone (refused on another process), found in a
+  # called function too; control flow is none.
+  calls_numpy = tf.function(lambda x: numpy_function(x) + 1.0,
+                            autograph=False)
+  assert single_threaded_executor.PythonFunctionOp(
+      calls_numpy.get_concrete_function(spec)) == 'PyFunc'
+  assert single_threaded_executor.PythonFunctionOp(
+      outer.get_concrete_function(spec)) is None
 
 
 @pytest.mark.parametrize('name', sorted(
@@ -177,8 +191,8 @@ def test_the_executor_runs_what_is_accepted_and_refuses_the_rest(name):
   """What UnsupportedOp accepts gives the default executor's result on the
   single-threaded one; the control flow it refuses fails there. (A Python
   function and a nested call that stays one run there in one process; on
-  a worker they hung.)"""
-  function, x = _Traced(name)
+  a worker the call hung, and the Python function cannot run at all.)"""
+  function, x, layer = _Traced(name)
   expected = function(x)
   with tf.experimental.function_executor_type(
       cell_runtime.SINGLE_THREADED_EXECUTOR):
@@ -189,4 +203,5 @@ def test_the_executor_runs_what_is_accepted_and_refuses_the_rest(name):
         call(x)
     else:
       np.testing.assert_allclose(call(x), expected, rtol=1e-6)
+  del layer  # Alive until here (see _Traced).
 

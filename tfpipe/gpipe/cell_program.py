@@ -38,8 +38,10 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe  # pylint: disable=g-direct-tensorflow-import
 
 from tfpipe import base_layer
+from tfpipe import device_names
 from tfpipe.gpipe import accumulators
 from tfpipe.gpipe import loss as loss_lib
+from tfpipe.gpipe import single_threaded_executor
 from tfpipe.gpipe import split_backward
 
 # Programs kept per cell: each distinct input signature (after relaxation),
@@ -70,6 +72,11 @@ def Tracing():
     finally:
       if stopped:
         pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
+class CellPlacementError(ValueError):
+  """A cell cannot run where it is placed; the message names the cell, so
+  it is raised as it is (not described again with the input's shapes)."""
 
 
 def SplitFloat(structure):
@@ -235,8 +242,28 @@ class CellProgram:
       with tf.device(self._device):
         return body(*args)
     with Tracing():
-      return tf.function(Traced, input_signature=specs,
-                         autograph=False).get_concrete_function()
+      function = tf.function(Traced, input_signature=specs,
+                             autograph=False).get_concrete_function()
+    self._CheckRunsOnDevice(function)
+    return function
+
+  def _CheckRunsOnDevice(self, function):
+    """Refuses a Python function on another process's device, at trace time.
+
+    Its Python code lives only in this process: on a worker the step failed
+    late ("Could not find callback"), often as a bare CancelledError of the
+    step's other calls, or hung.
+    """
+    if not device_names.OnOtherProcess(self._device):
+      return
+    op_type = single_threaded_executor.PythonFunctionOp(function)
+    if op_type:
+      raise CellPlacementError(
+          f'cell {self._index} ({self._cell.name}) holds a Python function '
+          f'(a {op_type} op, from tf.py_function or tf.numpy_function) but '
+          f'is placed on {self._device}, a device of another process, where '
+          'its Python function does not exist. Compute it in the input pipeline '
+          '(tf.data), or place this cell on a device of this process.')
 
   def Forward(self):
     """The forward alone: flat inputs -> forward outputs and statistics."""
@@ -310,6 +337,13 @@ class CellProgram:
     return forward, list(zip(self._stat_layers, stats))
 
 
+def _ShapesKey(specs):
+  """The specs' shapes, hashable; None where a rank is unknown (an input
+  from a tf.py_function), which relaxation keeps as tf.TensorShape(None)."""
+  return tuple(None if s.shape.rank is None else tuple(s.shape)
+               for s in specs)
+
+
 class ProgramCache:
   """CellPrograms by signature, shapes relaxed; the least recently used go."""
 
@@ -320,7 +354,7 @@ class ProgramCache:
   def Get(self, key, specs, build):
     """The program of `key` whose specs accept `specs`, else build(specs
     relaxed against the latest program of the same key)."""
-    shapes = tuple(tuple(s.shape) for s in specs)
+    shapes = _ShapesKey(specs)
     exact = self._entries.get((key, shapes))
     if exact is not None:
       self._entries.move_to_end((key, shapes))
@@ -329,7 +363,10 @@ class ProgramCache:
     for (k, s), program in reversed(self._entries.items()):
       if k != key:
         continue
-      if all(a.is_compatible_with(b) for a, b in zip(program.specs, specs)):
+      # The program's specs must accept every input these specs allow
+      # (tf.function's rule): one traced for [4, 4] is no program for an
+      # input of unknown rank, though their shapes are "compatible".
+      if all(b.is_subtype_of(a) for a, b in zip(program.specs, specs)):
         self._entries.move_to_end((k, s))
         return program
       related = related or program
@@ -337,7 +374,7 @@ class ProgramCache:
       specs = [a.most_specific_common_supertype([b])
                for a, b in zip(related.specs, specs)]
     program = build(specs)
-    self._entries[(key, tuple(tuple(s.shape) for s in specs))] = program
+    self._entries[(key, _ShapesKey(specs))] = program
     while len(self._entries) > self._max_size:
       self._entries.popitem(last=False)
     return program

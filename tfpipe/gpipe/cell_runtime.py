@@ -48,9 +48,10 @@ until it had nothing left to do, and the stages ran one after the other
 tensors on while the first computes, and the single-threaded executor
 keeps each action's ops on one thread, one at a time, so a worker still
 computes on one core. A call whose function holds what that executor
-cannot run (a while loop, a cond, a Python function, a nested call that
-stays a call: single_threaded_executor.py) keeps the default executor,
-and a line in the log names the cell and the op, once.
+cannot run (a while loop, a cond, a nested call that stays a call:
+single_threaded_executor.py) keeps the default executor, and a line in the
+log names the cell and the op, once. A Python function cannot run on
+another process at all: such a cell is refused when traced (cell_program.py).
 """
 
 import contextlib
@@ -59,7 +60,6 @@ from typing import Any
 
 from absl import logging
 import tensorflow as tf
-from tensorflow.python.eager import context  # pylint: disable=g-direct-tensorflow-import
 
 from tfpipe import device_names
 from tfpipe import placement
@@ -77,11 +77,8 @@ SINGLE_THREADED_EXECUTOR = 'SINGLE_THREADED_EXECUTOR'
 
 def OnWorkerCpu(device):
   """Whether `device` is a CPU of another process's server (a worker)."""
-  spec = tf.DeviceSpec.from_string(device)
-  if (spec.device_type or 'CPU') != 'CPU' or spec.job in (None, 'localhost'):
-    return False
-  local = tf.DeviceSpec.from_string(context.context().host_address_space())
-  return (spec.job, spec.task or 0) != (local.job, local.task or 0)
+  return ((tf.DeviceSpec.from_string(device).device_type or 'CPU') == 'CPU'
+          and device_names.OnOtherProcess(device))
 
 
 @dataclasses.dataclass
@@ -207,7 +204,8 @@ class CellRuntime:
     try:
       return call()
     except CELL_ERRORS as e:
-      if getattr(e, 'loss_fn_error', False):
+      if (getattr(e, 'loss_fn_error', False) or
+          isinstance(e, cell_program.CellPlacementError)):
         raise
       raise self._describe_error(self.index, x, e) from e
 

@@ -29,6 +29,7 @@ import collections
 import tensorflow as tf
 
 from tfpipe import base_layer
+from tfpipe.gpipe import microbatch
 
 LossAndGradients = collections.namedtuple(
     'LossAndGradients', ['loss', 'gradients', 'metrics', 'action_times'],
@@ -135,8 +136,7 @@ def CallLossFn(loss_fn, outputs, targets, where):
   try:
     return base_layer.Autograph(loss_fn)(outputs, targets)
   except Exception as e:  # pylint: disable=broad-except
-    shapes = tf.nest.map_structure(
-        lambda t: None if t is None else tuple(t.shape), outputs)
+    shapes = microbatch.ShapesText(outputs)
     e.add_note(f'Raised by loss_fn on {where} (output shapes {shapes}).')
     e.loss_fn_error = True
     raise

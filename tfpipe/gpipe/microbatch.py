@@ -26,6 +26,25 @@ def Leaves(structure):
   return [t for t in tf.nest.flatten(structure) if t is not None]
 
 
+# How ShapesText shows a leaf of unknown rank.
+UNKNOWN_RANK = '<unknown rank>'
+
+
+def ShapesText(structure):
+  """A structure's shapes for a message: tuples, None for absent leaves.
+
+  A leaf of unknown rank (a tf.py_function's output, unless its shape is
+  set) is UNKNOWN_RANK: its shape cannot be made a tuple, and the error
+  being described must not be replaced by that one.
+  """
+  def Text(t):
+    if t is None:
+      return None
+    shape = tf.TensorShape(t.shape)
+    return UNKNOWN_RANK if shape.rank is None else tuple(shape)
+  return tf.nest.map_structure(Text, structure)
+
+
 def _DescribePath(structure, index):
   """A readable path ('a/0') of the index-th non-None leaf."""
   paths = ['/'.join(str(k) for k in path) for path, leaf in

@@ -60,11 +60,13 @@ def CellError(pipeline_name, cells, k, x, error):
   """A ValueError naming cell k, its input's shapes and the likely fix."""
   source = (f'the output of cell {k - 1} ({cells[k - 1].name})'
             if k else 'the pipeline input')
-  shapes = tf.nest.map_structure(
-      lambda t: None if t is None else tuple(t.shape), x)
+  shapes = microbatch.ShapesText(x)
   text = str(error).lower()
   hint = (' Check that the cells\' layers fit each other (e.g. input_dims).'
           if 'shape' in text or 'dimension' in text else '')
+  if microbatch.UNKNOWN_RANK in tf.nest.flatten(shapes):
+    hint += (' An input of unknown rank (e.g. a tf.py_function\'s output) '
+             'can be given its shape with tf.ensure_shape in the cell before.')
   return ValueError(
       f'{pipeline_name}: cell {k} ({cells[k].name}) failed on {source} with '
       f'shapes {shapes}.{hint} Cause: {type(error).__name__}: {error}')

@@ -15,7 +15,10 @@ that names nothing of the user's model:
     executor rejects those;
   * Python functions (tf.py_function, tf.numpy_function): on a worker the
     step hung instead of failing with TensorFlow's error that the Python
-    function is not in that process;
+    function is not in that process. They cannot run on a worker on any
+    executor, so a cell holding one on another process's device is
+    refused when its functions are traced (cell_program.py,
+    PythonFunctionOp);
   * a call that stays a call (a tf.function with the `_noinline`
     attribute) on the default executor: inside a single-threaded call it
     needs a free thread of the worker's inter-op pool, which the worker's
@@ -32,6 +35,10 @@ nested tf.function calls, inlined or not
 
 import weakref
 
+# Python functions: their ops call back into the Python of the process that
+# traced them.
+PYTHON_FUNCTION_OPS = frozenset(['PyFunc', 'PyFuncStateless', 'EagerPyFunc'])
+
 # Functional control flow (lowered to the low-level ops before execution),
 # the low-level control-flow ops themselves, and Python functions. (The
 # executor also refuses reference-typed outputs, which a TF 2 function
@@ -39,13 +46,13 @@ import weakref
 _REFUSED_OPS = frozenset([
     'If', 'StatelessIf', '_If', 'Case', 'StatelessCase', 'While',
     'StatelessWhile', '_While', 'Switch', '_SwitchN', 'Merge', 'Enter',
-    'Exit', 'NextIteration', 'LoopCond',
-    'PyFunc', 'PyFuncStateless', 'EagerPyFunc'])
+    'Exit', 'NextIteration', 'LoopCond']) | PYTHON_FUNCTION_OPS
 
 _CALL_OPS = frozenset(['PartitionedCall', 'StatefulPartitionedCall'])
 _SINGLE_THREADED = b'SINGLE_THREADED_EXECUTOR'
 
-_verdicts = weakref.WeakKeyDictionary()  # concrete function -> op type or ''
+# concrete function -> (unsupported op or '', Python function op or '')
+_verdicts = weakref.WeakKeyDictionary()
 
 
 def UnsupportedOp(function):
@@ -59,18 +66,41 @@ def UnsupportedOp(function):
     The op's type, e.g. 'While', or for a call on the default executor
     that stays a call, e.g. "StatefulPartitionedCall of 'f' (_noinline)".
   """
+  return _Verdicts(function)[0] or None
+
+
+def PythonFunctionOp(function):
+  """The type of a tf.py_function's or tf.numpy_function's op in `function`
+  or a function it calls, e.g. 'EagerPyFunc', or None.
+
+  Such an op runs only in the process that traced it (cell_program.py
+  refuses it on another process's device), found by the same walk.
+  """
+  return _Verdicts(function)[1] or None
+
+
+def _Verdicts(function):
+  """Both verdicts of `function`, from one walk of its graph, cached."""
   if function not in _verdicts:
-    _verdicts[function] = _Find(function.graph.as_graph_def()) or ''
-  return _verdicts[function] or None
+    graph_def = function.graph.as_graph_def()
+    nodes = _Nodes(graph_def)
+    python_ops = [n.op for n in nodes if n.op in PYTHON_FUNCTION_OPS]
+    _verdicts[function] = (_Find(graph_def, nodes) or '',
+                           python_ops[0] if python_ops else '')
+  return _verdicts[function]
 
 
-def _Find(graph_def):
+def _Nodes(graph_def):
+  """The graph's nodes and those of every function in its library."""
   nodes = list(graph_def.node)
-  noinline = set()
   for called in graph_def.library.function:
     nodes.extend(called.node_def)
-    if called.attr['_noinline'].b:
-      noinline.add(called.signature.name)
+  return nodes
+
+
+def _Find(graph_def, nodes):
+  noinline = {called.signature.name for called in graph_def.library.function
+              if called.attr['_noinline'].b}
   for node in nodes:
     if node.op in _REFUSED_OPS:
       return node.op
