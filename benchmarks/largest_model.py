@@ -23,12 +23,13 @@ optimizer's update; then a second one) of a model of one size:
 A trial fits if both steps run; it then reports each worker's peak. The
 memory model (gpipe.memory_model, fed by one profiled step per distinct
 layer) predicts the largest size of each configuration first, so the
-search needs few trials: the prediction, then one size up (and down while
-a trial fails, up while one fits).
+search needs few trials: the prediction, then the prediction calibrated by
+measured over predicted (Search), then bisection.
 
 Models: a Transformer LM (size: its number of blocks) and AmoebaNet-D(L, D)
-with D fixed (size: L, a multiple of 3), at shapes small enough for the
-whole run to take about 15 minutes on 2 cores. The growth over naive-1 is
+with D fixed (size: L, a multiple of 3), at shapes small enough for a trial
+to take minutes on 2 cores (a pipeline-8 trial of AmoebaNet at L=87 took
+12). The growth over naive-1 is
 printed next to GPipe's, and for the largest pipeline each device's
 predicted peak says where its memory goes.
 
