@@ -164,12 +164,12 @@ class CappedWorkers:
     return [m['current'] for m in self.Memory()]
 
   def Alive(self):
-    return all(proc.poll() is None for proc in self._procs)
+    return not self.Exited()
 
   def Exited(self):
     """[(task, exit status)] of the workers that have exited."""
-    return [(k, proc.poll()) for k, proc in enumerate(self._procs)
-            if proc.poll() is not None]
+    statuses = [(k, proc.poll()) for k, proc in enumerate(self._procs)]
+    return [(k, status) for k, status in statuses if status is not None]
 
   def Close(self):
     self._children.Close()
