@@ -296,6 +296,52 @@ def test_a_worker_frozen_after_the_controller_connects_ends_the_run(
                             'is unreachable (no answer within 0.3s)')
 
 
+@pytest.mark.parametrize('found_by', ['watchdog', 'error'])
+@pytest.mark.parametrize('explained', [True, False])
+def test_a_lost_worker_ends_the_run_as_its_explanation_says(
+    monkeypatch, found_by, explained):
+  # A capped worker that crashed after running out of memory is lost to
+  # the controller; the trainer's explanation (its report on this host)
+  # turns "unreachable" into "out of memory", whether the watchdog found
+  # the loss or a step's connection error did.
+  ended = []
+  done = threading.Event()
+  monkeypatch.setattr(multihost, 'AbortWorkerLost', lambda message, status=(
+      multihost.EXIT_WORKER_LOST): (ended.append((message, status)),
+                                    done.set()))
+  interval = '0.2' if found_by == 'watchdog' else '60'
+  values = _FlagValues(monkeypatch, [
+      f'--watchdog_interval_s={interval}', '--watchdog_timeout_s=0.3',
+      '--watchdog_max_failures=2'])
+  address = servers_test.ClosedPortAddress()
+  controller = multihost.Controller(
+      values, cluster_spec.ParseClusterSpec(
+          f'controller=127.0.0.1:1; worker={address}'), 'controller', 0)
+  asked = []
+  controller.explain_lost = lambda name, at: (
+      asked.append((name, at)) or (('Out of memory on worker 0.', 4)
+                                   if explained else None))
+  if found_by == 'watchdog':
+    controller.watchdog.Start()
+    try:
+      assert done.wait(controller.watchdog.bound_s + 5)
+    finally:
+      controller.watchdog.Stop()
+  else:
+    def Step():
+      raise tf.errors.UnavailableError(None, None, 'Socket closed')
+    with pytest.raises(tf.errors.UnavailableError):  # AbortWorkerLost is
+      controller.Run(Step)                            # patched to return.
+  assert asked == [('/job:worker/task:0', address)]
+  message, status = ended[0]
+  if explained:
+    assert (message, status) == ('Out of memory on worker 0.', 4)
+  else:
+    assert message.startswith(f'Worker /job:worker/task:0 at {address} is '
+                              'unreachable')
+    assert status == multihost.EXIT_WORKER_LOST
+
+
 def test_watchdog_leaves_an_answering_worker_alone():
   server = servers_test.SettingsServer()
   lost = []

@@ -5,15 +5,19 @@ shape and the op; an error chain whose head says something else (a
 cancelled step) still yields the allocation named deeper in it; a watch of
 fd 2 keeps the records, hides the warnings the user did not ask for (and
 their continuation lines) and loses no other output, including what is
-printed right before it stops; a worker's report round-trips.
+printed right before it stops; a worker's report round-trips, and outlives
+a crash that follows the allocator's refusal (as some TensorFlow kernels
+crash), which it records as such.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 from tests import quiet_test
+from tfpipe import local_cluster
 from tfpipe import out_of_memory
 
 _RAN_OUT = ('W0000 00:00:1795541764.980780   19803 bfc_allocator.cc:502] '
@@ -104,3 +108,51 @@ def test_a_workers_report_is_written_where_its_controller_reads(tmp_path,
   values = json.loads((tmp_path / 'report.jsonl').read_text())
   values.pop('time')
   assert out_of_memory.OutOfMemoryRecord(**values) == record
+
+
+# What a capped process logged before it crashed converting an eager
+# constant (the op's name is empty there), then a line of its own.
+_CRASHING_WORKER = r'''
+import os, sys
+from tfpipe import out_of_memory
+report = out_of_memory.StartWorkerReport(
+    'worker', 0, 'worker=127.0.0.1:' + sys.argv[1], False)
+print(report.path, flush=True)
+os.write(2, b'W0000 00:00:1795643264.907878    4852 bfc_allocator.cc:502] '
+         b'Allocator (bfc_cpu_allocator_for_gpu) ran out of memory trying to '
+         b'allocate 16B (rounded to 256)requested by op \n'
+         b'If the cause is memory fragmentation maybe the environment '
+         b'variable ... will improve the situation. \n'
+         b'a line of the worker\'s own\n')
+os.abort()
+'''
+
+
+def test_a_workers_report_outlives_a_crash_after_a_refused_allocation():
+  port = local_cluster.FreePorts(1)[0]
+  # run() waits for the worker's stderr to close: for its reader too.
+  env = {k: v for k, v in os.environ.items()
+         if k != out_of_memory.LOG_LEVEL_ENV}  # The default level.
+  proc = subprocess.run([sys.executable, '-c', _CRASHING_WORKER, str(port)],
+                        cwd=quiet_test.ROOT, capture_output=True, text=True,
+                        timeout=60, check=False, env=env)
+  path = proc.stdout.strip()
+  try:
+    assert proc.returncode == -signal.SIGABRT, proc.stderr
+    assert path == out_of_memory.ReportPath('worker', 0, f'127.0.0.1:{port}')
+    assert out_of_memory.LocalReport('/job:worker/task:0',
+                                     f'127.0.0.1:{port}') == [
+        out_of_memory.OutOfMemoryRecord(
+            device='', shape='?', dtype='?',
+            allocator='bfc_cpu_allocator_for_gpu', op='', requested='16B',
+            crashed=True)]
+    # The warning is hidden, as the user did not ask for warnings; the
+    # worker's own last words are not.
+    assert proc.stderr.splitlines()[-1:] == ["a line of the worker's own"]
+    assert 'ran out of memory' not in proc.stderr
+    # Only records written since a time count (a run's own).
+    assert out_of_memory.LocalReport('/job:worker/task:0', f'127.0.0.1:{port}',
+                                     since=os.path.getmtime(path) + 1) == []
+  finally:
+    if path and os.path.exists(path):
+      os.remove(path)

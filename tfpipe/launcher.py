@@ -164,8 +164,8 @@ def _Supervise(controller, workers):
         worker_code = proc.poll()
         if worker_code is not None:
           print(f'launcher: worker {name} at {address} exited with status '
-                f'{worker_code}; the controller has {FLAGS.grace_s:g}s to '
-                'stop.', file=sys.stderr, flush=True)
+                f'{_Status(worker_code)}; the controller has '
+                f'{FLAGS.grace_s:g}s to stop.', file=sys.stderr, flush=True)
           worker_lost_at = now
           break
     elif now - worker_lost_at > FLAGS.grace_s:
@@ -177,6 +177,16 @@ def _Supervise(controller, workers):
             'job.', file=sys.stderr, flush=True)
       return 124
     time.sleep(0.2)
+
+
+def _Status(code):
+  """'-6 (SIGABRT)' for a process a signal ended, else the code."""
+  if code >= 0:
+    return str(code)
+  try:
+    return f'{code} ({signal.Signals(-code).name})'
+  except ValueError:
+    return str(code)
 
 
 def main(argv):

@@ -149,10 +149,18 @@ class Controller:
     self.job = job
     self.task = task
     self.workers = cluster_spec.JobTasks(spec, cluster_spec.WORKER_JOB)
+    # fn(task name, address) -> (message, exit status) or None: why a lost
+    # worker was lost, when the trainer can tell (it ran out of memory).
+    self.explain_lost = None
     self.watchdog = Watchdog(
         self.workers, interval_s=flag_values.watchdog_interval_s,
         timeout_s=flag_values.watchdog_timeout_s,
-        max_failures=flag_values.watchdog_max_failures)
+        max_failures=flag_values.watchdog_max_failures,
+        on_lost=self._OnLost)
+
+  def _OnLost(self, message):
+    name, address = self.watchdog.lost_task
+    EndForLostWorker(name, address, message, self.explain_lost)
 
   @property
   def io_device(self):
@@ -169,7 +177,9 @@ class Controller:
 
   def Run(self, fn):
     """fn() under the watchdog; a lost worker ends the process clearly."""
-    return RunController(fn, self.workers, self.watchdog)
+    return RunController(fn, self.workers, self.watchdog,
+                         explain=lambda *task: (self.explain_lost and
+                                                self.explain_lost(*task)))
 
 
 def SetUpController(flag_values, params):
@@ -247,6 +257,7 @@ class Watchdog:
     self._stop = threading.Event()
     self._thread = None
     self.lost = None
+    self.lost_task = None  # (task name, address) of the lost worker.
 
   @property
   def bound_s(self):
@@ -258,6 +269,7 @@ class Watchdog:
       reason = servers.ProbeGrpc(address, self.timeout_s)
       failures[name] = 0 if reason is None else failures.get(name, 0) + 1
       if failures[name] >= self.max_failures:
+        self.lost_task = (name, address)
         return UnreachableMessage(name, address, reason)
     return None
 
@@ -284,20 +296,49 @@ class Watchdog:
       self._thread.join(timeout=self.interval_s + self.timeout_s + 1)
 
 
-def AbortWorkerLost(message):
+def AbortWorkerLost(message, exit_status=EXIT_WORKER_LOST):
   """Prints the message and ends the process now (no hanging teardown)."""
   print(f'ERROR: {message}', file=sys.stderr, flush=True)
   sys.stdout.flush()
-  os._exit(EXIT_WORKER_LOST)  # pylint: disable=protected-access
+  os._exit(exit_status)  # pylint: disable=protected-access
 
 
-def RunController(fn, tasks, watchdog=None):
+# Seconds a lost worker's explanation may take before the plain message is
+# given instead: the launcher kills a controller that has not stopped 45 s
+# (its --grace_s) after a worker exited, and the watchdog takes up to 10 s
+# (its default bound) to notice.
+EXPLAIN_TIMEOUT_S = 30.0
+
+
+def EndForLostWorker(name, address, message, explain=None):
+  """Ends the process for lost worker `name`: with explain(name, address)'s
+  (message, exit status) when it has one in time, else `message` and
+  EXIT_WORKER_LOST."""
+  found = []
+  if explain is not None:
+    def Explain():
+      try:
+        found.append(explain(name, address))
+      except Exception as e:  # pylint: disable=broad-except
+        print(f'(could not tell why {name} was lost: {type(e).__name__}: '
+              f'{e})', file=sys.stderr, flush=True)
+    thread = threading.Thread(target=Explain, daemon=True,
+                              name='tfpipe-explain-lost')
+    thread.start()
+    thread.join(EXPLAIN_TIMEOUT_S)
+  if found and found[0]:
+    AbortWorkerLost(*found[0])
+  else:
+    AbortWorkerLost(message)
+
+
+def RunController(fn, tasks, watchdog=None, explain=None):
   """Runs fn() with a watchdog; a lost worker ends the process clearly.
 
   The watchdog is started if it is not running yet. Connection errors
   raised by TensorFlow (UnavailableError and friends) are traced to the
   worker that no longer answers, reported, and the process exits with
-  EXIT_WORKER_LOST.
+  EXIT_WORKER_LOST, or as `explain` says (EndForLostWorker).
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   watchdog = watchdog or Watchdog(tasks)
@@ -310,7 +351,8 @@ def RunController(fn, tasks, watchdog=None):
     for name, address in tasks:
       reason = servers.ProbeGrpc(address, watchdog.timeout_s)
       if reason is not None:
-        AbortWorkerLost(UnreachableMessage(name, address, reason))
+        EndForLostWorker(name, address,
+                         UnreachableMessage(name, address, reason), explain)
     raise
   finally:
     watchdog.Stop()

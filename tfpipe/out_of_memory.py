@@ -15,11 +15,23 @@ in three places:
   read from fd 2 through a pipe; the out-of-memory records are kept and the
   other warnings hidden, as TF_CPP_MIN_LOG_LEVEL=2 would (`KeepWarnings`
   lowers it to 1 before TensorFlow starts);
-* each worker's log (`WorkerReport`): a worker watches its own stderr the
-  same way and appends what it sees to a small file on its host
-  (`ReportPath`); the controller reads that file through TensorFlow itself,
-  a `ReadFile` op placed on the worker's device (`AskWorkers`), so it works
-  across hosts with no channel besides the cluster's own.
+* each worker's log (`WorkerReport`): a worker's stderr goes through a pipe
+  to a small reader process of its own, which appends the records to a file
+  on its host (`ReportPath`); the controller reads that file through
+  TensorFlow itself, a `ReadFile` op placed on the worker's device
+  (`AskWorkers`), so it works across hosts with no channel besides the
+  cluster's own.
+
+A capped CPU allocator's refusal does not always end in an error: some
+TensorFlow kernels (oneDNN's convolutions, the eager conversion of a
+constant) use the tensor they could not get and crash the process at once.
+The allocator's own warning is then the last thing the process logs, with
+no 'OOM when allocating' record after it. So the reader runs in its own
+process, which outlives the crash long enough to write what the pipe still
+holds, and a refusal left unpaired when the log ends becomes a record of
+its own (`crashed`). A controller that loses such a worker reads its report
+from this host's disk (`LocalReport`), since the worker can no longer
+answer.
 """
 
 import atexit
@@ -28,6 +40,7 @@ import json
 import os
 import re
 import select
+import signal
 import sys
 import threading
 import time
@@ -36,8 +49,11 @@ LOG_LEVEL_ENV = 'TF_CPP_MIN_LOG_LEVEL'
 
 _OOM = re.compile(r'OOM when allocating tensor with shape\[([^\]]*)\] and '
                   r'type (\w+) on (\S+) by allocator (\S+)')
+# The op's name is empty for an allocation made outside any op (an eager
+# constant's conversion).
 _RAN_OUT = re.compile(r'ran out of memory trying to allocate (\S+) .*?'
-                      r'requested by op (\S+)')
+                      r'requested by op ?(\S*)')
+_ALLOCATOR = re.compile(r'Allocator \((\S+)\) ran out of memory')
 # A C++ warning record: absl's "W0000 00:00:..." or TensorFlow's older
 # "2024-01-02 03:04:05.678901: W ...".
 _WARNING = re.compile(r'^(W\d{4} \d+:\d+:\d+\.\d+\s+\d+ \S+:\d+\] |'
@@ -56,16 +72,40 @@ _PARTIAL_WAIT_S = 0.1
 
 class OutOfMemoryRecord(collections.namedtuple(
     'OutOfMemoryRecord', ['device', 'shape', 'dtype', 'allocator', 'op',
-                          'requested'])):
-  """One failed allocation: where, of what, for which op (when known)."""
+                          'requested', 'crashed'], defaults=[False])):
+  """One failed allocation: where, of what, for which op (when known).
+
+  `crashed`: only the allocator's refusal was logged, and then the log
+  ended (the process crashed before any error was raised); the shape and
+  dtype are then unknown ('?').
+  """
 
   def Describe(self):
-    what = f'a tensor of shape [{self.shape}] ({self.dtype})'
+    parts = []
+    if self.shape != '?':
+      parts.append(f'a tensor of shape [{self.shape}] ({self.dtype})')
     if self.requested:
-      what += f', {self.requested}'
+      parts.append(self.requested)
     if self.op:
-      what += f', for op {self.op}'
-    return what
+      parts.append(f'for op {self.op}')
+    return ', '.join(parts) or 'a tensor'
+
+  @property
+  def known(self):
+    """Whether anything is known of the allocation besides its failure."""
+    return self.shape != '?' or bool(self.requested)
+
+
+def _Refusal(text):
+  """The record of an allocator's refusal that no error followed (the
+  device is the reporting worker's, filled in by whoever reads it)."""
+  ran_out = _RAN_OUT.search(text)
+  allocator = _ALLOCATOR.search(text)
+  return OutOfMemoryRecord(
+      device='', shape='?', dtype='?',
+      allocator=allocator.group(1) if allocator else '',
+      op=ran_out.group(2) if ran_out else '',
+      requested=ran_out.group(1) if ran_out else '', crashed=True)
 
 
 def ParseRecords(text):
@@ -167,12 +207,10 @@ class StderrWatch:
 
   def Start(self):
     """Points fd 2 at the pipe; returns self. Does nothing without fd 2."""
-    try:
-      saved = os.dup(2)
-    except OSError:
+    pipe = _OpenPipe()
+    if pipe is None:
       return self
-    read, write = os.pipe()
-    _Flush()
+    saved, read, write = pipe
     os.dup2(write, 2)
     os.close(write)
     self._saved, self._read = saved, read
@@ -180,6 +218,36 @@ class StderrWatch:
                                     name='tfpipe-stderr-watch')
     self._thread.start()
     return self
+
+  def StartInChild(self):
+    """Like Start, but the pipe is read by a forked process of its own.
+
+    That process outlives this one's crash: it gets the rest of the pipe,
+    then end of file, and exits. Records reach only `on_record` (Records()
+    here stays empty). Call it before any thread starts (before
+    TensorFlow), as fork() requires. Returns whether it started.
+    """
+    if not hasattr(os, 'fork'):
+      return False
+    pipe = _OpenPipe()
+    if pipe is None:
+      return False
+    saved, read, write = pipe
+    pid = os.fork()
+    if pid == 0:  # The reader.
+      try:
+        os.close(write)
+        # It ends with the pipe, not with a Ctrl-C meant for its worker.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._saved, self._read = saved, read
+        self._Pump()
+      finally:
+        os._exit(0)  # pylint: disable=protected-access
+    os.close(read)
+    os.dup2(write, 2)
+    os.close(write)
+    os.close(saved)
+    return True
 
   def Stop(self):
     """Puts fd 2 back and writes out what the pipe still holds."""
@@ -215,7 +283,16 @@ class StderrWatch:
         self._Line(line + b'\n')
     if buffer:
       self._Line(buffer)
+    if self._pending_op:  # A refusal, then nothing: the process crashed.
+      self._Keep(_Refusal(self._pending_op))
+      self._pending_op = ''
     os.close(self._read)
+
+  def _Keep(self, record):
+    with self._lock:
+      self.records.append(record)
+    if self._on_record:
+      self._on_record(record)
 
   def _Line(self, raw):
     text = raw.decode('utf-8', 'replace')
@@ -224,10 +301,7 @@ class StderrWatch:
       self._pending_op = text
     elif _OOM.search(text):
       for record in ParseRecords(self._pending_op + text):
-        with self._lock:
-          self.records.append(record)
-        if self._on_record:
-          self._on_record(record)
+        self._Keep(record)
       self._pending_op = ''
     if self.hide_warnings:
       if _WARNING.match(text):
@@ -253,6 +327,18 @@ class StderrWatch:
       return list(self.records)
 
 
+def _OpenPipe():
+  """(a dup of fd 2, the read end, the write end) of a new pipe, with
+  Python's buffers flushed; None without an fd 2."""
+  try:
+    saved = os.dup(2)
+  except OSError:
+    return None
+  read, write = os.pipe()
+  _Flush()
+  return saved, read, write
+
+
 def _Flush():
   for stream in (sys.stdout, sys.stderr):
     try:
@@ -271,7 +357,8 @@ def ReportPath(job, task, address):
 
 
 class WorkerReport:
-  """A worker's StderrWatch, writing each record to ReportPath."""
+  """A worker's StderrWatch, writing each record to ReportPath from a reader
+  process of its own (StartInChild), so that a crash loses nothing."""
 
   def __init__(self, job, task, address, hide_warnings=True):
     self.path = ReportPath(job, task, address)
@@ -292,9 +379,11 @@ class WorkerReport:
       pass
 
   def Start(self):
-    """Starts watching; the watch writes out what it holds at exit."""
-    self.watch.Start()
-    atexit.register(self.watch.Stop)
+    """Starts watching, in a reader process where fork() exists (else on a
+    thread, whose watch writes out what it holds at exit)."""
+    if not (self.path and self.watch.StartInChild()):
+      self.watch.Start()
+      atexit.register(self.watch.Stop)
     return self
 
 
@@ -366,14 +455,37 @@ def AskWorkers(workers):
       text = text.numpy().decode('utf-8', 'replace')
     except (tf.errors.OpError, ValueError):
       continue
-    records = []
-    for line in text.splitlines():
-      try:
-        values = json.loads(line)
-      except ValueError:
-        continue
-      values.pop('time', None)
-      records.append(OutOfMemoryRecord(**values))
+    records = _ParseReport(text)
     if records:
       found[f'/job:{job}/task:{task}'] = records
   return found
+
+
+def LocalReport(task_name, address, since=0.0):
+  """The records a worker wrote since `since` (a time.time()), read from
+  this host's disk: for a worker that no longer answers, when it ran on
+  this host (a launcher's). [] if this host has no such report."""
+  tasks = _Tasks([(task_name, address)])
+  if not tasks:
+    return []
+  job, task, _ = tasks[0]
+  try:
+    with open(ReportPath(job, task, address), encoding='utf-8',
+              errors='replace') as f:
+      return _ParseReport(f.read(), since)
+  except OSError:
+    return []
+
+
+def _ParseReport(text, since=None):
+  records = []
+  for line in text.splitlines():
+    try:
+      values = json.loads(line)
+      written = values.pop('time', None)
+      record = OutOfMemoryRecord(**values)
+    except (ValueError, TypeError):
+      continue
+    if since is None or (written or 0) >= since:
+      records.append(record)
+  return records

@@ -7,7 +7,9 @@ cell whose allocation failed, the limit and the memory model's prediction,
 and what to change; its exit status is EXIT_OUT_OF_MEMORY and the
 checkpoints it found are untouched. The message's parts are also checked
 alone: advice that leaves out what is already set, the checkpoint sentence,
-and errors that are not out of memory left alone.
+and errors that are not out of memory left alone. A worker lost to the
+controller is out of memory when the report it left on this host says its
+allocator refused memory (it crashed then), and only then.
 """
 
 import hashlib
@@ -98,6 +100,42 @@ def test_the_message_names_device_cell_limit_prediction_and_fixes():
           '--remat_policy=always, more micro-batches (--num_micro_batches=8), '
           '--schedule=1f1b, --balance=memory, or --plan=auto with '
           '--device_memory_mb.') in message
+  assert message.endswith('The last good checkpoint, /l/checkpoints/ckpt-20, '
+                          'is kept.')
+
+
+def test_a_lost_worker_whose_report_shows_a_refusal_ran_out_of_memory(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(oom_lib, 'ReportPath', lambda job, task, address: str(
+      tmp_path / f'{job}-{task}-{address.rsplit(":", 1)[1]}.jsonl'))
+  oom_lib.WorkerReport('worker', 0, '127.0.0.1:2222')._Write(  # pylint: disable=protected-access
+      oom_lib.OutOfMemoryRecord('', '?', '?', 'bfc', '', '1.00MiB',
+                                crashed=True))  # Before the run: stale.
+  diagnosis = out_of_memory.Diagnosis(
+      _Params(num_micro_batches=4, remat_policy='always'),
+      ['/job:worker/replica:0/task:0/device:CPU:0',
+       '/job:worker/replica:0/task:1/device:CPU:0'], limit_mb=24,
+      predict=lambda: [_Peak([0], 10 * MIB), _Peak([1], 31 * MIB)],
+      last_good=lambda: out_of_memory.LastGood('/l/checkpoints/ckpt-20'))
+  assert diagnosis.ExplainLostWorker('/job:worker/task:0',
+                                     '127.0.0.1:2222') is None
+  assert diagnosis.ExplainLostWorker('/job:worker/task:1',
+                                     '127.0.0.1:2223') is None  # No report.
+  # What the reader of a worker that crashed after a refusal writes.
+  oom_lib.WorkerReport('worker', 1, '127.0.0.1:2223')._Write(  # pylint: disable=protected-access
+      oom_lib.OutOfMemoryRecord('', '?', '?', 'bfc',
+                                'cell1_1/block_1/ffn/MatMul', '1.00MiB',
+                                crashed=True))
+  message, status = diagnosis.ExplainLostWorker('/job:worker/task:1',
+                                                '127.0.0.1:2223')
+  assert status == out_of_memory.EXIT_OUT_OF_MEMORY
+  assert message.startswith(
+      'Out of memory on /job:worker/replica:0/task:1/device:CPU:0, which '
+      'runs cell1 (block_1, final_ln, logits): it could not allocate '
+      '1.00MiB, for op cell1_1/block_1/ffn/MatMul. Its worker process '
+      '(/job:worker/task:1 at 127.0.0.1:2223) then crashed')
+  assert 'Its limit is 24 MiB; the memory model predicted 31.0 MiB' in message
+  assert '--num_partitions=4' in message
   assert message.endswith('The last good checkpoint, /l/checkpoints/ckpt-20, '
                           'is kept.')
 

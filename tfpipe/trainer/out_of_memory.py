@@ -20,6 +20,8 @@ a step succeeds).
 
 import os
 import re
+import threading
+import time
 
 from tfpipe import device_names
 from tfpipe import memory_limit
@@ -30,6 +32,9 @@ from tfpipe import out_of_memory
 # worker.
 EXIT_OUT_OF_MEMORY = 4
 MIB = 2**20
+# Seconds the memory model's prediction may take in the message about a
+# crashed worker (multihost.EXPLAIN_TIMEOUT_S bounds the whole message).
+PREDICT_WITHIN_S = 20.0
 
 
 class OutOfMemoryStop(Exception):
@@ -56,6 +61,14 @@ def LastGood(path, checkpoint_dir=None):
     return (f'The checkpoints in {checkpoint_dir} (the newest '
             f'ckpt-{max(numbers)}) were not touched.')
   return 'No checkpoint was written or changed.'
+
+
+def _TaskOf(name):
+  """('worker', 1) of '/job:worker/replica:0/task:1/device:CPU:0' or
+  '/job:worker/task:1'; None for a name without both."""
+  job = re.search(r'/job:([^/]+)', name)
+  task = re.search(r'/task:(\d+)', name)
+  return (job.group(1), int(task.group(1))) if job and task else None
 
 
 def Advice(pipeline_p, num_devices=None):
@@ -101,6 +114,7 @@ class Diagnosis:
     self.watch = watch
     self._predict = predict
     self._last_good = last_good
+    self.since = time.time()  # A worker's records from before are stale.
 
   def Records(self, error):
     """The failed allocations behind `error` (empty if it was not one)."""
@@ -120,6 +134,27 @@ class Diagnosis:
     if not records:
       return None
     return OutOfMemoryStop(self.Message(records[0]))
+
+  def ExplainLostWorker(self, task_name, address):
+    """(message, EXIT_OUT_OF_MEMORY) if lost worker `task_name` ran out of
+    memory, by its report on this host's disk; else None.
+
+    A capped worker can crash right after its allocator refuses memory
+    (tfpipe.out_of_memory): the controller then sees a worker that stopped
+    answering, and only the report it left says why.
+    """
+    records = out_of_memory.LocalReport(task_name, address, self.since)
+    if not records:
+      return None
+    record = records[0]
+    if not record.device:
+      on_task = sorted({d for d in self.devices
+                        if _TaskOf(d) == _TaskOf(task_name)})
+      record = record._replace(
+          device=on_task[0] if len(on_task) == 1 else task_name)
+    message = self.Message(record, crashed=record.crashed and (
+        f'{task_name} at {address}'), predict_within_s=PREDICT_WITHIN_S)
+    return message, EXIT_OUT_OF_MEMORY
 
   def _Cells(self, device):
     """(cell index, 'cell1 (a, b)') of the cell on the device, or None."""
@@ -143,7 +178,10 @@ class Diagnosis:
     except (ValueError, IndexError, AttributeError):
       return ['?']
 
-  def Message(self, record):
+  def Message(self, record, crashed=None, predict_within_s=None):
+    """The error's text; `crashed` names the worker process that crashed
+    after the failed allocation, if one did. With `predict_within_s`, a
+    prediction that takes longer is left out."""
     pp = self.p.task.pipeline
     device = record.device or 'a device'
     found = self._Cells(record.device) if record.device else None
@@ -158,13 +196,17 @@ class Diagnosis:
       if found:
         where += f', which runs {found[1]}'
     parts = [where + (f': it could not allocate {record.Describe()}.'
-                      if record.shape != '?' else '.')]
+                      if record.known else '.')]
+    if crashed:
+      parts.append(f'Its worker process ({crashed}) then crashed, as some '
+                   'TensorFlow kernels do when an allocation is refused, '
+                   'instead of failing the step.')
     limit = ''
     if self.limit_mb:
       limit = (f'Its limit is {self.limit_mb} MiB' if not self.shared_limit
                else f'The process\'s limit is {self.limit_mb} MiB '
                f'({memory_limit.LIMIT_ENV})')
-    prediction = self._Prediction(found)
+    prediction = self._Prediction(found, predict_within_s)
     if limit and prediction:
       parts.append(f'{limit}; {prediction}.')
     elif limit or prediction:
@@ -174,13 +216,25 @@ class Diagnosis:
       parts.append(self._last_good().strip())
     return ' '.join(parts)
 
-  def _Prediction(self, found):
+  def _Prediction(self, found, within_s=None):
     if self._predict is None:
       return ''
-    try:
-      peaks = self._predict()
-    except Exception as e:  # pylint: disable=broad-except
-      return f'the memory model could not predict it ({type(e).__name__})'
+    outcome = []
+
+    def Predict():
+      try:
+        outcome.append(self._predict())
+      except Exception as e:  # pylint: disable=broad-except
+        outcome.append(e)
+    thread = threading.Thread(target=Predict, daemon=True,
+                              name='tfpipe-oom-predict')
+    thread.start()
+    thread.join(within_s)
+    if not outcome:
+      return ''
+    peaks = outcome[0]
+    if isinstance(peaks, Exception):
+      return f'the memory model could not predict it ({type(peaks).__name__})'
     if self.shared_limit:
       total = sum(peak.peak_bytes for peak in peaks)
       return (f'the memory model predicted {total / MIB:.1f} MiB for its '

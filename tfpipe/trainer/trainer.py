@@ -398,6 +398,9 @@ def _Main(show_startup_log, watch):
       last_good=lambda: out_of_memory.LastGood(
           trainers[0].manager.latest_checkpoint if trainers else None,
           os.path.join(FLAGS.logdir, train_loop.CHECKPOINT_DIR)))
+  if controller:
+    # A worker that crashed out of memory is said to be out of memory.
+    controller.explain_lost = diagnosis.ExplainLostWorker
   try:
     try:
       trainer = train_loop.Trainer(
