@@ -7,7 +7,8 @@ fd 2 keeps the records, hides the warnings the user did not ask for (and
 their continuation lines) and loses no other output, including what is
 printed right before it stops; a worker's report round-trips, and outlives
 a crash that follows the allocator's refusal (as some TensorFlow kernels
-crash), which it records as such.
+crash), which it records as such; a link planted at a report's fixed path
+in /tmp is never followed, by the worker writing or the controller reading.
 """
 
 import json
@@ -156,3 +157,28 @@ def test_a_workers_report_outlives_a_crash_after_a_refused_allocation():
   finally:
     if path and os.path.exists(path):
       os.remove(path)
+
+
+def test_a_link_at_a_reports_path_is_neither_written_through_nor_read(
+    tmp_path, monkeypatch, capfd):
+  victim = tmp_path / 'victim'
+  victim.write_text('precious\n')
+  planted = tmp_path / 'report.jsonl'
+  planted.symlink_to(victim)
+  monkeypatch.setattr(out_of_memory, 'ReportPath',
+                      lambda *unused: str(planted))
+  report = out_of_memory.WorkerReport('worker', 0, '127.0.0.1:2222')
+  [record] = out_of_memory.ParseRecords(_RAN_OUT + '\n' + _OOM)
+  report._Write(record)  # pylint: disable=protected-access
+  assert report.path is None
+  assert victim.read_text() == 'precious\n'
+  assert 'writes no out-of-memory report' in capfd.readouterr().err
+  # A report someone else planted does not make a controller claim out of
+  # memory.
+  victim.write_text(json.dumps({**record._asdict(), 'time': 0}) + '\n')
+  assert out_of_memory.LocalReport('/job:worker/task:0',
+                                   '127.0.0.1:2222') == []
+  planted.unlink()
+  planted.write_text(victim.read_text())
+  assert out_of_memory.LocalReport('/job:worker/task:0',
+                                   '127.0.0.1:2222') == [record]

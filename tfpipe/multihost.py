@@ -210,8 +210,6 @@ def SetUpController(flag_values, params):
     except BaseException:
       controller.watchdog.Stop()
       raise
-  from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
-  out_of_memory.ClearWorkerReports(workers)
   devices = device_names.WorkerDevices(
       pipeline.num_partitions, len(workers), num_replicas,
       devices_per_worker=flag_values.devices_per_worker)

@@ -41,6 +41,7 @@ import os
 import re
 import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -351,9 +352,33 @@ def _Flush():
 
 
 def ReportPath(job, task, address):
-  """Where a worker writes its out-of-memory records, on its own host."""
+  """Where a worker writes its out-of-memory records, on its own host.
+
+  A fixed name in a directory anyone can write to, so the report is opened
+  only as a regular file of this user, never through a link
+  (_OpenOwnFile): another user's file or link there leaves the worker
+  without a report, and cannot make a controller claim out of memory.
+  """
   port = address.rsplit(':', 1)[-1]
   return f'/tmp/tfpipe-oom-{job}-{task}-{port}.jsonl'
+
+
+def _OpenOwnFile(path, flags):
+  """os.open(path, flags) of a regular file this user owns, never through
+  a symbolic link (created 0600 with O_CREAT).
+
+  Raises:
+    OSError: a link, not a regular file, or another user's.
+  """
+  fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+      raise OSError(f'{path} is not a regular file of this user')
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd
 
 
 class WorkerReport:
@@ -363,18 +388,25 @@ class WorkerReport:
   def __init__(self, job, task, address, hide_warnings=True):
     self.path = ReportPath(job, task, address)
     try:
-      with open(self.path, 'w'):
-        pass
-    except OSError:
+      fd = _OpenOwnFile(self.path, os.O_WRONLY | os.O_CREAT)
+      os.ftruncate(fd, 0)  # A record of an earlier run would mislead.
+      os.close(fd)
+    except OSError as e:
+      print(f'tfpipe: this worker writes no out-of-memory report ({e}).',
+            file=sys.stderr, flush=True)
       self.path = None
     self.watch = StderrWatch(hide_warnings, on_record=self._Write)
 
   def _Write(self, record):
     if not self.path:
       return
+    line = json.dumps({**record._asdict(), 'time': time.time()}) + '\n'
     try:
-      with open(self.path, 'a') as f:
-        f.write(json.dumps({**record._asdict(), 'time': time.time()}) + '\n')
+      fd = _OpenOwnFile(self.path, os.O_WRONLY | os.O_APPEND)
+      try:
+        os.write(fd, line.encode('utf-8'))
+      finally:
+        os.close(fd)
     except OSError:
       pass
 
@@ -428,20 +460,9 @@ def _Tasks(workers):
   return result
 
 
-def ClearWorkerReports(workers):
-  """Empties each worker's report (a run's records start with the run)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  for job, task, address in _Tasks(workers):
-    try:
-      with tf.device(_WorkerDevice(job, task)):
-        tf.raw_ops.WriteFile(filename=ReportPath(job, task, address),
-                             contents='')
-    except (tf.errors.OpError, ValueError):
-      pass
-
-
-def AskWorkers(workers):
-  """{task name: [OutOfMemoryRecord]} of the workers that reported any.
+def AskWorkers(workers, since=None):
+  """{task name: [OutOfMemoryRecord]} of the workers that reported any
+  since `since` (a time.time(); a worker may have served an earlier run).
 
   Reads each worker's report with a ReadFile op on that worker: a worker
   that does not answer, or has no report, adds nothing.
@@ -455,7 +476,7 @@ def AskWorkers(workers):
       text = text.numpy().decode('utf-8', 'replace')
     except (tf.errors.OpError, ValueError):
       continue
-    records = _ParseReport(text)
+    records = _ParseReport(text, since)
     if records:
       found[f'/job:{job}/task:{task}'] = records
   return found
@@ -470,11 +491,11 @@ def LocalReport(task_name, address, since=0.0):
     return []
   job, task, _ = tasks[0]
   try:
-    with open(ReportPath(job, task, address), encoding='utf-8',
-              errors='replace') as f:
-      return _ParseReport(f.read(), since)
+    fd = _OpenOwnFile(ReportPath(job, task, address), os.O_RDONLY)
   except OSError:
     return []
+  with open(fd, encoding='utf-8', errors='replace') as f:
+    return _ParseReport(f.read(), since)
 
 
 def _ParseReport(text, since=None):

@@ -122,7 +122,7 @@ class Diagnosis:
     if not records and self.watch is not None:
       records = self.watch.Records()
     if not records and self.workers:
-      for found in out_of_memory.AskWorkers(self.workers).values():
+      for found in out_of_memory.AskWorkers(self.workers, self.since).values():
         records.extend(found)
     if not records and out_of_memory.IsOutOfMemoryError(error):
       records = [out_of_memory.OutOfMemoryRecord('', '?', '?', '', '', '')]
