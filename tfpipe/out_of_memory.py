@@ -14,10 +14,12 @@ in three places:
 * this process's own C++ log (`StderrWatch`): TensorFlow's warnings are
   read from fd 2 through a pipe; the out-of-memory records are kept and the
   other warnings hidden, as TF_CPP_MIN_LOG_LEVEL=2 would (`KeepWarnings`
-  lowers it to 1 before TensorFlow starts);
+  lowers it to 1 before TensorFlow starts). The trainer's reader is a
+  process of its own that keeps the records in a private file
+  (`ProcessWatch`);
 * each worker's log (`WorkerReport`): a worker's stderr goes through a pipe
-  to a small reader process of its own, which appends the records to a file
-  on its host (`ReportPath`); the controller reads that file through
+  to a reader process of its own, which appends the records to a file on
+  its host (`ReportPath`); the controller reads that file through
   TensorFlow itself, a `ReadFile` op placed on the worker's device
   (`AskWorkers`), so it works across hosts with no channel besides the
   cluster's own.
@@ -31,7 +33,7 @@ process, which outlives the crash long enough to write what the pipe still
 holds, and a refusal left unpaired when the log ends becomes a record of
 its own (`crashed`). A controller that loses such a worker reads its report
 from this host's disk (`LocalReport`), since the worker can no longer
-answer.
+answer; a single process's reader says what happened itself (`on_crash`).
 """
 
 import atexit
@@ -43,6 +45,7 @@ import select
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import time
 
@@ -189,18 +192,25 @@ class StderrWatch:
   TensorFlow's C++ warnings when `hide_warnings` (they would not have
   printed at the default log level). Stop() puts fd 2 back and writes out
   whatever is left, so nothing printed before it is lost.
+
+  The pipe is read on a thread (Start) or by a forked process (StartInChild),
+  which outlives this one: if the log ends, without Stop(), right after an
+  allocator's refusal, the process crashed, and `on_crash` gets the record.
   """
 
-  def __init__(self, hide_warnings=True, on_record=None):
+  def __init__(self, hide_warnings=True, on_record=None, on_crash=None):
     self.hide_warnings = hide_warnings
     self.records = []
     self._on_record = on_record
+    self._on_crash = on_crash
     self._saved = None
     self._thread = None
+    self._child = None
     self._read = None
     self._lock = threading.Lock()
     self._pending_op = ''
     self._hiding = False
+    self._stopped = False
 
   @property
   def active(self):
@@ -228,7 +238,7 @@ class StderrWatch:
     here stays empty). Call it before any thread starts (before
     TensorFlow), as fork() requires. Returns whether it started.
     """
-    if not hasattr(os, 'fork'):
+    if not CanFork():
       return False
     pipe = _OpenPipe()
     if pipe is None:
@@ -247,7 +257,7 @@ class StderrWatch:
     os.close(read)
     os.dup2(write, 2)
     os.close(write)
-    os.close(saved)
+    self._saved, self._child = saved, pid
     return True
 
   def Stop(self):
@@ -255,8 +265,17 @@ class StderrWatch:
     if self._saved is None:
       return
     _Flush()
+    if self._child is not None:
+      try:
+        os.write(2, _STOPPED)  # The reader's sign that nothing crashed.
+      except OSError:
+        pass
     os.dup2(self._saved, 2)  # Closes the pipe's last write end.
-    self._thread.join(timeout=5.0)
+    if self._child is not None:
+      _WaitFor(self._child, 5.0)
+      self._child = None
+    else:
+      self._thread.join(timeout=5.0)
     os.close(self._saved)
     self._saved = None
 
@@ -285,8 +304,11 @@ class StderrWatch:
     if buffer:
       self._Line(buffer)
     if self._pending_op:  # A refusal, then nothing: the process crashed.
-      self._Keep(_Refusal(self._pending_op))
+      record = _Refusal(self._pending_op)._replace(crashed=not self._stopped)
+      self._Keep(record)
       self._pending_op = ''
+      if record.crashed and self._on_crash:
+        self._on_crash(record)
     os.close(self._read)
 
   def _Keep(self, record):
@@ -296,6 +318,9 @@ class StderrWatch:
       self._on_record(record)
 
   def _Line(self, raw):
+    if raw == _STOPPED:
+      self._stopped = True
+      return
     text = raw.decode('utf-8', 'replace')
     ran_out = _RAN_OUT.search(text)
     if ran_out:
@@ -326,6 +351,29 @@ class StderrWatch:
   def Records(self):
     with self._lock:
       return list(self.records)
+
+
+# What Stop() writes last, for a reader process: the log ends cleanly.
+_STOPPED = b'\0tfpipe: stderr watch stopped\n'
+
+
+def CanFork():
+  """Whether a reader process can be forked safely: before TensorFlow (and
+  any other thread) starts. In a process already running TensorFlow, such
+  as a test calling the trainer's main, the watch reads on a thread."""
+  return (hasattr(os, 'fork') and 'tensorflow' not in sys.modules and
+          threading.active_count() == 1)
+
+
+def _WaitFor(pid, timeout_s):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    try:
+      if os.waitpid(pid, os.WNOHANG)[0]:
+        return
+    except ChildProcessError:
+      return
+    time.sleep(0.01)
 
 
 def _OpenPipe():
@@ -381,21 +429,25 @@ def _OpenOwnFile(path, flags):
   return fd
 
 
-class WorkerReport:
-  """A worker's StderrWatch, writing each record to ReportPath from a reader
-  process of its own (StartInChild), so that a crash loses nothing."""
+class RecordFile:
+  """A StderrWatch whose records go to a file of this user's, from a reader
+  process of its own where one can be forked (StartInChild), so that a
+  crash loses nothing; else from a thread."""
 
-  def __init__(self, job, task, address, hide_warnings=True):
-    self.path = ReportPath(job, task, address)
+  def __init__(self, path, hide_warnings=True, on_crash=None,
+               who='this worker'):
+    self.path = path
     try:
       fd = _OpenOwnFile(self.path, os.O_WRONLY | os.O_CREAT)
       os.ftruncate(fd, 0)  # A record of an earlier run would mislead.
       os.close(fd)
     except OSError as e:
-      print(f'tfpipe: this worker writes no out-of-memory report ({e}).',
+      print(f'tfpipe: {who} writes no out-of-memory report ({e}).',
             file=sys.stderr, flush=True)
       self.path = None
-    self.watch = StderrWatch(hide_warnings, on_record=self._Write)
+    self.watch = StderrWatch(hide_warnings, on_record=self._Write,
+                             on_crash=on_crash)
+    self._in_child = False
 
   def _Write(self, record):
     if not self.path:
@@ -411,12 +463,63 @@ class WorkerReport:
       pass
 
   def Start(self):
-    """Starts watching, in a reader process where fork() exists (else on a
-    thread, whose watch writes out what it holds at exit)."""
-    if not (self.path and self.watch.StartInChild()):
+    """Starts watching; a watch on a thread writes out what it holds at
+    exit."""
+    self._in_child = bool(self.path) and self.watch.StartInChild()
+    if not self._in_child:
       self.watch.Start()
       atexit.register(self.watch.Stop)
     return self
+
+  def Records(self):
+    if not self._in_child:
+      return self.watch.Records()
+    try:
+      fd = _OpenOwnFile(self.path, os.O_RDONLY)
+    except OSError:
+      return []
+    with open(fd, encoding='utf-8', errors='replace') as f:
+      return _ParseReport(f.read())
+
+  def Stop(self):
+    self.watch.Stop()
+
+
+class WorkerReport(RecordFile):
+  """A worker's RecordFile, at ReportPath on its host."""
+
+  def __init__(self, job, task, address, hide_warnings=True):
+    super().__init__(ReportPath(job, task, address), hide_warnings)
+
+
+class ProcessWatch(RecordFile):
+  """A single process's RecordFile, in a private temporary file: its
+  Records() serve this process's diagnosis of an error, and `on_crash`
+  (called in the reader) says what a crash after a refusal was, since the
+  process itself cannot."""
+
+  def __init__(self, hide_warnings=True, on_crash=None):
+    fd, path = tempfile.mkstemp(prefix='tfpipe-oom-', suffix='.jsonl')
+    os.close(fd)
+
+    def Crashed(record):
+      if on_crash:
+        on_crash(record)
+      _Remove(path)
+    super().__init__(path, hide_warnings, on_crash=Crashed,
+                     who='this process')
+
+  def Stop(self):
+    super().Stop()
+    if self.path:
+      _Remove(self.path)
+
+
+def _Remove(path):
+  try:
+    os.remove(path)
+  except OSError:
+    pass
 
 
 def StartWorkerReport(job, task, cluster_spec_text, show_all,

@@ -4,15 +4,22 @@ Protected properties: the role is read without TensorFlow (a controller
 watches nothing, a worker and a single process lower the log level to see
 TensorFlow's out-of-memory warnings); --plan=auto asks for a budget and a
 device count, naming the flags; the limit quoted by an out-of-memory error
-is the capped process's own, shared by its logical devices.
+is the capped process's own, shared by its logical devices; a single
+process that crashes right after its allocator refused memory (as some
+TensorFlow kernels crash) still says, in one line, that it ran out of
+memory, and leaves no file behind.
 """
 
 import os
+import signal
+import subprocess
+import sys
 
 from absl import flags
 from absl.testing import flagsaver
 import pytest
 
+from tests import quiet_test
 from tfpipe import memory_limit
 from tfpipe import model_registry
 from tfpipe import out_of_memory
@@ -93,3 +100,59 @@ def test_plan_lets_workers_on_this_host_take_turns_on_its_cores(
   assert chosen[0].count == 2 and chosen[0].computing_at_once == at_once
   # Workers on this host send to each other at loopback speed.
   assert bool(chosen[0].bandwidth_bytes_per_s) == (at_once is not None)
+
+
+# The trainer's start (main, before TensorFlow), then what a capped process
+# logs right before a kernel uses the tensor it was refused and crashes.
+_CRASHING_TRAINER = r'''
+import os
+from absl import flags
+from tfpipe.trainer import memory_budget
+from tfpipe.trainer import trainer
+flags.FLAGS(['tfpipe-train'])
+watch = memory_budget.WatchThisProcess(flags.FLAGS, False)
+print(watch.path, flush=True)
+os.write(2, b'W0000 00:00:1795643264.907878    4852 bfc_allocator.cc:502] '
+         b'Allocator (bfc_cpu_allocator_for_gpu) ran out of memory trying to '
+         b'allocate 4.00MiB (rounded to 4194304)requested by op '
+         b'cell1_1/fc_1/MatMul\n')
+os.abort()
+'''
+
+
+def test_a_single_process_that_crashes_after_a_refusal_says_out_of_memory():
+  env = {k: v for k, v in os.environ.items()
+         if k not in (out_of_memory.LOG_LEVEL_ENV, 'TF_CONFIG')}
+  env.update(memory_limit.CappedEnv(3))
+  # run() waits for the process's stderr to close: for its reader too.
+  proc = subprocess.run([sys.executable, '-c', _CRASHING_TRAINER],
+                        cwd=quiet_test.ROOT, capture_output=True, text=True,
+                        timeout=60, check=False, env=env)
+  assert proc.returncode == -signal.SIGABRT, proc.stderr
+  assert proc.stderr.splitlines() == [
+      'ERROR: Out of memory in this process: it could not allocate 4.00MiB, '
+      'for op cell1_1/fc_1/MatMul, and then crashed, as some TensorFlow '
+      'kernels do when an allocation is refused, instead of failing the '
+      'step. The process\'s limit is 3 MiB (TF_CPU_BFC_MEM_LIMIT_IN_MB). To '
+      'fit, try more partitions (--num_partitions), --remat_policy=always, '
+      'more micro-batches (--num_micro_batches), --balance=memory, or '
+      '--plan=auto with --device_memory_mb. A checkpoint is written only '
+      'after a step succeeds, so those in the logdir are intact.']
+  assert not os.path.exists(proc.stdout.strip())
+
+
+def test_a_single_process_that_ends_cleanly_says_nothing_more(tmp_path):
+  code = _CRASHING_TRAINER.replace('os.abort()', '''
+print(len(watch.Records()), flush=True)
+watch.Stop()
+''')
+  env = {k: v for k, v in os.environ.items()
+         if k not in (out_of_memory.LOG_LEVEL_ENV, 'TF_CONFIG')}
+  proc = subprocess.run([sys.executable, '-c', code], cwd=quiet_test.ROOT,
+                        capture_output=True, text=True, timeout=60,
+                        check=False, env=env)
+  assert proc.returncode == 0, proc.stderr
+  path, count = proc.stdout.split()
+  assert count == '0'  # Not a failure yet: no error followed the refusal.
+  assert 'ERROR' not in proc.stderr
+  assert not os.path.exists(path)

@@ -17,6 +17,7 @@ Diagnosis a training run is wrapped in.
 
 import json
 import os
+import sys
 
 from absl import flags
 
@@ -67,9 +68,16 @@ def WatchThisProcess(flag_values, show_startup_log):
     report = out_of_memory.StartWorkerReport(
         flag_values.job, flag_values.task, flag_values.cluster_spec,
         show_startup_log)
-    return report.watch if report else _NoWatch()
+    return report or _NoWatch()
   hide = out_of_memory.KeepWarnings(show_startup_log)
-  return out_of_memory.StderrWatch(hide_warnings=hide).Start()
+  return out_of_memory.ProcessWatch(
+      hide_warnings=hide, on_crash=_SayCrashed).Start()
+
+
+def _SayCrashed(record):
+  """Run by the watch's reader process once this one has crashed."""
+  print(f'ERROR: {trainer_oom.CrashedMessage(record)}', file=sys.stderr,
+        flush=True)
 
 
 def _Role(flag_values):
@@ -179,5 +187,5 @@ def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
   return trainer_oom.Diagnosis(
       p, devices, limit_mb=limit, shared_limit=shared,
       workers=controller.workers if controller else None,
-      watch=watch if isinstance(watch, out_of_memory.StderrWatch) else None,
+      watch=watch if isinstance(watch, out_of_memory.RecordFile) else None,
       predict=Predict, last_good=last_good)

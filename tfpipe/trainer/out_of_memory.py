@@ -89,6 +89,28 @@ def Advice(pipeline_p, num_devices=None):
   return 'To fit, try ' + ', '.join(ideas[:-1]) + ', or ' + ideas[-1] + '.'
 
 
+def CrashedMessage(record):
+  """The line for a single process that crashed right after its allocator
+  refused memory (tfpipe.out_of_memory), said by the watch's reader process
+  since this one no longer can: from the record and this process's
+  environment alone."""
+  limit = memory_limit.LimitMb()
+  parts = [f'Out of memory in this process: it could not allocate '
+           f'{record.Describe()}, and then crashed, as some TensorFlow '
+           'kernels do when an allocation is refused, instead of failing '
+           'the step.']
+  if limit:
+    parts.append(f'The process\'s limit is {limit} MiB '
+                 f'({memory_limit.LIMIT_ENV}).')
+  parts.append('To fit, try more partitions (--num_partitions), '
+               '--remat_policy=always, more micro-batches '
+               '(--num_micro_batches), --balance=memory, or --plan=auto '
+               'with --device_memory_mb.')
+  parts.append('A checkpoint is written only after a step succeeds, so '
+               'those in the logdir are intact.')
+  return ' '.join(parts)
+
+
 class Diagnosis:
   """Turns a failed run's error into an OutOfMemoryStop, if it was one."""
 
