@@ -363,12 +363,12 @@ def _WorkerMain(argv):
   from tfpipe import quiet  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}.')
-  from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
+  from tfpipe import out_of_memory_reports  # pylint: disable=g-import-not-at-top
   verbosity = (flags.FLAGS.verbosity if flags.FLAGS['verbosity'].present
                else None)
   # Before TensorFlow starts: its out-of-memory records are warnings, which
   # the worker reports for its controller to ask for.
-  out_of_memory.StartWorkerReport(
+  out_of_memory_reports.StartWorkerReport(
       flags.FLAGS.job, flags.FLAGS.task, flags.FLAGS.cluster_spec,
       quiet.ShowStartupLog(verbosity))
   quiet.ImportTensorFlow(quiet.ShowStartupLog(verbosity))

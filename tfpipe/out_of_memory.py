@@ -14,15 +14,9 @@ in three places:
 * this process's own C++ log (`StderrWatch`): TensorFlow's warnings are
   read from fd 2 through a pipe; the out-of-memory records are kept and the
   other warnings hidden, as TF_CPP_MIN_LOG_LEVEL=2 would (`KeepWarnings`
-  lowers it to 1 before TensorFlow starts). The trainer's reader is a
-  process of its own that keeps the records in a private file
-  (`ProcessWatch`);
-* each worker's log (`WorkerReport`): a worker's stderr goes through a pipe
-  to a reader process of its own, which appends the records to a file on
-  its host (`ReportPath`); the controller reads that file through
-  TensorFlow itself, a `ReadFile` op placed on the worker's device
-  (`AskWorkers`), so it works across hosts with no channel besides the
-  cluster's own.
+  lowers it to 1 before TensorFlow starts);
+* each worker's log, which a watch of the worker's own keeps in a file its
+  controller reads (tfpipe.out_of_memory_reports).
 
 A capped CPU allocator's refusal does not always end in an error: some
 TensorFlow kernels (oneDNN's convolutions, the eager conversion of a
@@ -31,21 +25,15 @@ The allocator's own warning is then the last thing the process logs, with
 no 'OOM when allocating' record after it. So the reader runs in its own
 process, which outlives the crash long enough to write what the pipe still
 holds, and a refusal left unpaired when the log ends becomes a record of
-its own (`crashed`). A controller that loses such a worker reads its report
-from this host's disk (`LocalReport`), since the worker can no longer
-answer; a single process's reader says what happened itself (`on_crash`).
+its own (`crashed`), which `on_crash` gets.
 """
 
-import atexit
 import collections
-import json
 import os
 import re
 import select
 import signal
-import stat
 import sys
-import tempfile
 import threading
 import time
 
@@ -394,222 +382,3 @@ def _Flush():
       stream.flush()
     except (AttributeError, ValueError, OSError):
       pass
-
-
-# ---- workers ---------------------------------------------------------------
-
-
-def ReportPath(job, task, address):
-  """Where a worker writes its out-of-memory records, on its own host.
-
-  A fixed name in a directory anyone can write to, so the report is opened
-  only as a regular file of this user, never through a link
-  (_OpenOwnFile): another user's file or link there leaves the worker
-  without a report, and cannot make a controller claim out of memory.
-  """
-  port = address.rsplit(':', 1)[-1]
-  return f'/tmp/tfpipe-oom-{job}-{task}-{port}.jsonl'
-
-
-def _OpenOwnFile(path, flags):
-  """os.open(path, flags) of a regular file this user owns, never through
-  a symbolic link (created 0600 with O_CREAT).
-
-  Raises:
-    OSError: a link, not a regular file, or another user's.
-  """
-  fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-  try:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-      raise OSError(f'{path} is not a regular file of this user')
-  except BaseException:
-    os.close(fd)
-    raise
-  return fd
-
-
-class RecordFile:
-  """A StderrWatch whose records go to a file of this user's, from a reader
-  process of its own where one can be forked (StartInChild), so that a
-  crash loses nothing; else from a thread."""
-
-  def __init__(self, path, hide_warnings=True, on_crash=None,
-               who='this worker'):
-    self.path = path
-    try:
-      fd = _OpenOwnFile(self.path, os.O_WRONLY | os.O_CREAT)
-      os.ftruncate(fd, 0)  # A record of an earlier run would mislead.
-      os.close(fd)
-    except OSError as e:
-      print(f'tfpipe: {who} writes no out-of-memory report ({e}).',
-            file=sys.stderr, flush=True)
-      self.path = None
-    self.watch = StderrWatch(hide_warnings, on_record=self._Write,
-                             on_crash=on_crash)
-    self._in_child = False
-
-  def _Write(self, record):
-    if not self.path:
-      return
-    line = json.dumps({**record._asdict(), 'time': time.time()}) + '\n'
-    try:
-      fd = _OpenOwnFile(self.path, os.O_WRONLY | os.O_APPEND)
-      try:
-        os.write(fd, line.encode('utf-8'))
-      finally:
-        os.close(fd)
-    except OSError:
-      pass
-
-  def Start(self):
-    """Starts watching; a watch on a thread writes out what it holds at
-    exit."""
-    self._in_child = bool(self.path) and self.watch.StartInChild()
-    if not self._in_child:
-      self.watch.Start()
-      atexit.register(self.watch.Stop)
-    return self
-
-  def Records(self):
-    if not self._in_child:
-      return self.watch.Records()
-    try:
-      fd = _OpenOwnFile(self.path, os.O_RDONLY)
-    except OSError:
-      return []
-    with open(fd, encoding='utf-8', errors='replace') as f:
-      return _ParseReport(f.read())
-
-  def Stop(self):
-    self.watch.Stop()
-
-
-class WorkerReport(RecordFile):
-  """A worker's RecordFile, at ReportPath on its host."""
-
-  def __init__(self, job, task, address, hide_warnings=True):
-    super().__init__(ReportPath(job, task, address), hide_warnings)
-
-
-class ProcessWatch(RecordFile):
-  """A single process's RecordFile, in a private temporary file: its
-  Records() serve this process's diagnosis of an error, and `on_crash`
-  (called in the reader) says what a crash after a refusal was, since the
-  process itself cannot."""
-
-  def __init__(self, hide_warnings=True, on_crash=None):
-    fd, path = tempfile.mkstemp(prefix='tfpipe-oom-', suffix='.jsonl')
-    os.close(fd)
-
-    def Crashed(record):
-      if on_crash:
-        on_crash(record)
-      _Remove(path)
-    super().__init__(path, hide_warnings, on_crash=Crashed,
-                     who='this process')
-
-  def Stop(self):
-    super().Stop()
-    if self.path:
-      _Remove(self.path)
-
-
-def _Remove(path):
-  try:
-    os.remove(path)
-  except OSError:
-    pass
-
-
-def StartWorkerReport(job, task, cluster_spec_text, show_all,
-                      environ=None):
-  """A worker's WorkerReport, started before TensorFlow (None if this
-  process is not a worker of a cluster spec or TF_CONFIG).
-
-  Reads the spec without TensorFlow, so that the log level can still be
-  lowered (KeepWarnings).
-  """
-  from tfpipe import cluster_spec  # pylint: disable=g-import-not-at-top
-  environ = os.environ if environ is None else environ
-  try:
-    if cluster_spec_text:
-      jobs = cluster_spec.ParseClusterJobs(cluster_spec_text)
-    else:
-      config = json.loads(environ.get('TF_CONFIG') or '{}')
-      jobs = config.get('cluster') or {}
-      job = job or (config.get('task') or {}).get('type')
-      task = (config.get('task') or {}).get('index') if task is None else task
-    address = jobs[job][task or 0]
-  except (KeyError, IndexError, TypeError, ValueError):
-    return None
-  if job == cluster_spec.CONTROLLER_JOB:
-    return None
-  hide = KeepWarnings(show_all)
-  return WorkerReport(job, task or 0, address, hide_warnings=hide).Start()
-
-
-def _WorkerDevice(job, task):
-  return f'/job:{job}/replica:0/task:{task}/device:CPU:0'
-
-
-def _Tasks(workers):
-  """(job, task, address) of [(task name '/job:worker/task:1', address)]."""
-  result = []
-  for name, address in workers:
-    match = re.fullmatch(r'/job:([^/]+)/task:(\d+)', name)
-    if match:
-      result.append((match.group(1), int(match.group(2)), address))
-  return result
-
-
-def AskWorkers(workers, since=None):
-  """{task name: [OutOfMemoryRecord]} of the workers that reported any
-  since `since` (a time.time(); a worker may have served an earlier run).
-
-  Reads each worker's report with a ReadFile op on that worker: a worker
-  that does not answer, or has no report, adds nothing.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  found = {}
-  for job, task, address in _Tasks(workers):
-    try:
-      with tf.device(_WorkerDevice(job, task)):
-        text = tf.io.read_file(ReportPath(job, task, address))
-      text = text.numpy().decode('utf-8', 'replace')
-    except (tf.errors.OpError, ValueError):
-      continue
-    records = _ParseReport(text, since)
-    if records:
-      found[f'/job:{job}/task:{task}'] = records
-  return found
-
-
-def LocalReport(task_name, address, since=0.0):
-  """The records a worker wrote since `since` (a time.time()), read from
-  this host's disk: for a worker that no longer answers, when it ran on
-  this host (a launcher's). [] if this host has no such report."""
-  tasks = _Tasks([(task_name, address)])
-  if not tasks:
-    return []
-  job, task, _ = tasks[0]
-  try:
-    fd = _OpenOwnFile(ReportPath(job, task, address), os.O_RDONLY)
-  except OSError:
-    return []
-  with open(fd, encoding='utf-8', errors='replace') as f:
-    return _ParseReport(f.read(), since)
-
-
-def _ParseReport(text, since=None):
-  records = []
-  for line in text.splitlines():
-    try:
-      values = json.loads(line)
-      written = values.pop('time', None)
-      record = OutOfMemoryRecord(**values)
-    except (ValueError, TypeError):
-      continue
-    if since is None or (written or 0) >= since:
-      records.append(record)
-  return records

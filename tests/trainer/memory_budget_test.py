@@ -23,6 +23,7 @@ from tests import quiet_test
 from tfpipe import memory_limit
 from tfpipe import model_registry
 from tfpipe import out_of_memory
+from tfpipe import out_of_memory_reports
 from tfpipe.trainer import memory_budget
 from tfpipe.trainer import trainer  # pylint: disable=unused-import
 
@@ -51,7 +52,7 @@ def test_a_controller_watches_nothing():
 def test_a_worker_keeps_tensorflow_warnings_and_reports(tmp_path,
                                                         monkeypatch):
   paths = []
-  monkeypatch.setattr(out_of_memory, 'ReportPath', lambda *args: (
+  monkeypatch.setattr(out_of_memory_reports, 'ReportPath', lambda *args: (
       paths.append(args) or str(tmp_path / 'report.jsonl')))
   memory_budget.WatchThisProcess(FLAGS, False).Stop()
   assert os.environ[out_of_memory.LOG_LEVEL_ENV] == '1'

@@ -19,6 +19,7 @@ from tests import quiet_test
 from tfpipe import memory_limit
 from tfpipe import model_registry
 from tfpipe import out_of_memory as oom_lib
+from tfpipe import out_of_memory_reports as oom_reports
 from tfpipe.trainer import out_of_memory
 from tfpipe.trainer import train_loop
 
@@ -106,9 +107,9 @@ def test_the_message_names_device_cell_limit_prediction_and_fixes():
 
 def test_a_lost_worker_whose_report_shows_a_refusal_ran_out_of_memory(
     tmp_path, monkeypatch):
-  monkeypatch.setattr(oom_lib, 'ReportPath', lambda job, task, address: str(
+  monkeypatch.setattr(oom_reports, 'ReportPath', lambda job, task, address: str(
       tmp_path / f'{job}-{task}-{address.rsplit(":", 1)[1]}.jsonl'))
-  oom_lib.WorkerReport('worker', 0, '127.0.0.1:2222')._Write(  # pylint: disable=protected-access
+  oom_reports.WorkerReport('worker', 0, '127.0.0.1:2222')._Write(  # pylint: disable=protected-access
       oom_lib.OutOfMemoryRecord('', '?', '?', 'bfc', '', '1.00MiB',
                                 crashed=True))  # Before the run: stale.
   diagnosis = out_of_memory.Diagnosis(
@@ -122,7 +123,7 @@ def test_a_lost_worker_whose_report_shows_a_refusal_ran_out_of_memory(
   assert diagnosis.ExplainLostWorker('/job:worker/task:1',
                                      '127.0.0.1:2223') is None  # No report.
   # What the reader of a worker that crashed after a refusal writes.
-  oom_lib.WorkerReport('worker', 1, '127.0.0.1:2223')._Write(  # pylint: disable=protected-access
+  oom_reports.WorkerReport('worker', 1, '127.0.0.1:2223')._Write(  # pylint: disable=protected-access
       oom_lib.OutOfMemoryRecord('', '?', '?', 'bfc',
                                 'cell1_1/block_1/ffn/MatMul', '1.00MiB',
                                 crashed=True))

@@ -25,6 +25,7 @@ from tfpipe import cluster_spec
 from tfpipe import memory_limit
 from tfpipe import multihost
 from tfpipe import out_of_memory
+from tfpipe import out_of_memory_reports
 from tfpipe.trainer import out_of_memory as trainer_oom
 
 MIB = 2**20
@@ -65,12 +66,12 @@ def WatchThisProcess(flag_values, show_startup_log):
   if role == cluster_spec.CONTROLLER_JOB:
     return _NoWatch()
   if role:
-    report = out_of_memory.StartWorkerReport(
+    report = out_of_memory_reports.StartWorkerReport(
         flag_values.job, flag_values.task, flag_values.cluster_spec,
         show_startup_log)
     return report or _NoWatch()
   hide = out_of_memory.KeepWarnings(show_startup_log)
-  return out_of_memory.ProcessWatch(
+  return out_of_memory_reports.ProcessWatch(
       hide_warnings=hide, on_crash=_SayCrashed).Start()
 
 
@@ -187,5 +188,5 @@ def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
   return trainer_oom.Diagnosis(
       p, devices, limit_mb=limit, shared_limit=shared,
       workers=controller.workers if controller else None,
-      watch=watch if isinstance(watch, out_of_memory.RecordFile) else None,
+      watch=watch if isinstance(watch, out_of_memory_reports.RecordFile) else None,
       predict=Predict, last_good=last_good)

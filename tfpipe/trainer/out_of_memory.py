@@ -26,6 +26,7 @@ import time
 from tfpipe import device_names
 from tfpipe import memory_limit
 from tfpipe import out_of_memory
+from tfpipe import out_of_memory_reports
 
 # Exit status of a run that stopped because a device ran out of memory (or
 # that --plan=auto found nothing that fits). 1 is every other stop, 3 a lost
@@ -144,7 +145,7 @@ class Diagnosis:
     if not records and self.watch is not None:
       records = self.watch.Records()
     if not records and self.workers:
-      for found in out_of_memory.AskWorkers(self.workers, self.since).values():
+      for found in out_of_memory_reports.AskWorkers(self.workers, self.since).values():
         records.extend(found)
     if not records and out_of_memory.IsOutOfMemoryError(error):
       records = [out_of_memory.OutOfMemoryRecord('', '?', '?', '', '', '')]
@@ -165,7 +166,7 @@ class Diagnosis:
     (tfpipe.out_of_memory): the controller then sees a worker that stopped
     answering, and only the report it left says why.
     """
-    records = out_of_memory.LocalReport(task_name, address, self.since)
+    records = out_of_memory_reports.LocalReport(task_name, address, self.since)
     if not records:
       return None
     record = records[0]

@@ -1,0 +1,109 @@
+"""Tests of tfpipe.out_of_memory_reports: where out-of-memory records are kept.
+
+Protected properties: a worker's report round-trips, and outlives a crash
+that follows the allocator's refusal (as some TensorFlow kernels crash),
+which it records as such; a link planted at a report's fixed path in /tmp
+is never followed, by the worker writing or the controller reading.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from tests import out_of_memory_test
+from tests import quiet_test
+from tfpipe import local_cluster
+from tfpipe import out_of_memory
+from tfpipe import out_of_memory_reports
+
+RAN_OUT_LINE = out_of_memory_test.RAN_OUT_LINE
+OOM_LINE = out_of_memory_test.OOM_LINE
+
+
+def test_a_workers_report_is_written_where_its_controller_reads(tmp_path,
+                                                               monkeypatch):
+  path = out_of_memory_reports.ReportPath('worker', 3, '127.0.0.1:2222')
+  assert path == '/tmp/tfpipe-oom-worker-3-2222.jsonl'
+  monkeypatch.setattr(out_of_memory_reports, 'ReportPath',
+                      lambda *unused: str(tmp_path / 'report.jsonl'))
+  report = out_of_memory_reports.WorkerReport('worker', 3, '127.0.0.1:2222')
+  [record] = out_of_memory.ParseRecords(RAN_OUT_LINE + '\n' + OOM_LINE)
+  report._Write(record)  # pylint: disable=protected-access
+  values = json.loads((tmp_path / 'report.jsonl').read_text())
+  values.pop('time')
+  assert out_of_memory.OutOfMemoryRecord(**values) == record
+
+
+# What a capped process logged before it crashed converting an eager
+# constant (the op's name is empty there), then a line of its own.
+_CRASHING_WORKER = r'''
+import os, sys
+from tfpipe import out_of_memory_reports
+report = out_of_memory_reports.StartWorkerReport(
+    'worker', 0, 'worker=127.0.0.1:' + sys.argv[1], False)
+print(report.path, flush=True)
+os.write(2, b'W0000 00:00:1795643264.907878    4852 bfc_allocator.cc:502] '
+         b'Allocator (bfc_cpu_allocator_for_gpu) ran out of memory trying to '
+         b'allocate 16B (rounded to 256)requested by op \n'
+         b'If the cause is memory fragmentation maybe the environment '
+         b'variable ... will improve the situation. \n'
+         b'a line of the worker\'s own\n')
+os.abort()
+'''
+
+
+def test_a_workers_report_outlives_a_crash_after_a_refused_allocation():
+  port = local_cluster.FreePorts(1)[0]
+  # run() waits for the worker's stderr to close: for its reader too.
+  env = {k: v for k, v in os.environ.items()
+         if k != out_of_memory.LOG_LEVEL_ENV}  # The default level.
+  proc = subprocess.run([sys.executable, '-c', _CRASHING_WORKER, str(port)],
+                        cwd=quiet_test.ROOT, capture_output=True, text=True,
+                        timeout=60, check=False, env=env)
+  path = proc.stdout.strip()
+  try:
+    assert proc.returncode == -signal.SIGABRT, proc.stderr
+    assert path == out_of_memory_reports.ReportPath('worker', 0, f'127.0.0.1:{port}')
+    assert out_of_memory_reports.LocalReport('/job:worker/task:0',
+                                     f'127.0.0.1:{port}') == [
+        out_of_memory.OutOfMemoryRecord(
+            device='', shape='?', dtype='?',
+            allocator='bfc_cpu_allocator_for_gpu', op='', requested='16B',
+            crashed=True)]
+    # The warning is hidden, as the user did not ask for warnings; the
+    # worker's own last words are not.
+    assert proc.stderr.splitlines()[-1:] == ["a line of the worker's own"]
+    assert 'ran out of memory' not in proc.stderr
+    # Only records written since a time count (a run's own).
+    assert out_of_memory_reports.LocalReport('/job:worker/task:0', f'127.0.0.1:{port}',
+                                     since=os.path.getmtime(path) + 1) == []
+  finally:
+    if path and os.path.exists(path):
+      os.remove(path)
+
+
+def test_a_link_at_a_reports_path_is_neither_written_through_nor_read(
+    tmp_path, monkeypatch, capfd):
+  victim = tmp_path / 'victim'
+  victim.write_text('precious\n')
+  planted = tmp_path / 'report.jsonl'
+  planted.symlink_to(victim)
+  monkeypatch.setattr(out_of_memory_reports, 'ReportPath',
+                      lambda *unused: str(planted))
+  report = out_of_memory_reports.WorkerReport('worker', 0, '127.0.0.1:2222')
+  [record] = out_of_memory.ParseRecords(RAN_OUT_LINE + '\n' + OOM_LINE)
+  report._Write(record)  # pylint: disable=protected-access
+  assert report.path is None
+  assert victim.read_text() == 'precious\n'
+  assert 'writes no out-of-memory report' in capfd.readouterr().err
+  # A report someone else planted does not make a controller claim out of
+  # memory.
+  victim.write_text(json.dumps({**record._asdict(), 'time': 0}) + '\n')
+  assert out_of_memory_reports.LocalReport('/job:worker/task:0',
+                                   '127.0.0.1:2222') == []
+  planted.unlink()
+  planted.write_text(victim.read_text())
+  assert out_of_memory_reports.LocalReport('/job:worker/task:0',
+                                   '127.0.0.1:2222') == [record]
