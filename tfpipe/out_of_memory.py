@@ -306,8 +306,9 @@ class StderrWatch:
       self._on_record(record)
 
   def _Line(self, raw):
-    if raw == _STOPPED:
+    if raw.endswith(_STOPPED):  # Also after a partial line of its own.
       self._stopped = True
+      self._Write(raw[:-len(_STOPPED)])
       return
     text = raw.decode('utf-8', 'replace')
     ran_out = _RAN_OUT.search(text)
