@@ -34,6 +34,7 @@ import sys
 from tfpipe import cluster_spec
 from tfpipe import local_cluster
 from tfpipe import memory_limit
+from tfpipe import out_of_memory
 from tfpipe import servers
 
 # Threads one op may use in a worker unless asked otherwise: one, as on a
@@ -46,7 +47,13 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def RunWorker(cluster_text, task, intra_op_threads=INTRA_OP_THREADS,
               inter_op_threads=0):
   """Serves one device and answers 'reset' and 'memory' on stdin."""
+  from tfpipe import out_of_memory_reports  # pylint: disable=g-import-not-at-top
   from tfpipe import quiet  # pylint: disable=g-import-not-at-top
+  # Before TensorFlow: a worker that crashes right after its allocator
+  # refused memory (some kernels do) leaves the refusal in its report
+  # (Refusals), so a crash can be told from running out of memory.
+  out_of_memory_reports.StartWorkerReport(cluster_spec.WORKER_JOB, task,
+                                          cluster_text, show_all=False)
   tf = quiet.ImportTensorFlow()
   spec = cluster_spec.ParseClusterSpec(cluster_text)
   server = servers.StartServer(spec, cluster_spec.WORKER_JOB, task,
@@ -93,7 +100,9 @@ class CappedWorkers:
     self.spec_text = cluster_spec.FormatClusterSpec(self.jobs)
     self._children = local_cluster.ChildProcesses(owner)
     env = memory_limit.CappedEnv(memory_mb)
-    env['TF_CPP_MIN_LOG_LEVEL'] = '2'
+    # Warnings, for the allocator's refusals to reach the worker's report;
+    # its stderr goes nowhere.
+    env[out_of_memory.LOG_LEVEL_ENV] = '1'
     env['PYTHONPATH'] = os.pathsep.join(
         [_REPO_ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep)
                         if p])
@@ -170,6 +179,14 @@ class CappedWorkers:
     """[(task, exit status)] of the workers that have exited."""
     statuses = [(k, proc.poll()) for k, proc in enumerate(self._procs)]
     return [(k, status) for k, status in statuses if status is not None]
+
+  def Refusals(self, k):
+    """The allocations worker k's allocator refused (OutOfMemoryRecords),
+    from its report: for a worker that exited, whether it ran out of
+    memory."""
+    from tfpipe import out_of_memory_reports  # pylint: disable=g-import-not-at-top
+    name, address = self._tasks[k]
+    return out_of_memory_reports.LocalReport(name, address)
 
   def Close(self):
     self._children.Close()

@@ -168,7 +168,7 @@ def _RunTrial():
     records = out_of_memory.FindInError(e)
     result.update(fits=False, out_of_memory=bool(
         records or out_of_memory.IsOutOfMemoryError(e) or
-        isinstance(e, WorkerDied)),
+        isinstance(e, WorkerDied) and e.refusals),
                   error=(records[0].device + ': ' + records[0].Describe()
                          if records else f'{type(e).__name__}: '
                          f'{str(e).splitlines()[0][:300]}'))
@@ -180,7 +180,12 @@ def _RunTrial():
 
 
 class WorkerDied(Exception):
-  """A capped worker exited during a trial."""
+  """A capped worker exited during a trial; `refusals`: the allocations its
+  allocator refused first (then it ran out of memory and crashed)."""
+
+  def __init__(self, message, refusals=()):
+    super().__init__(message)
+    self.refusals = list(refusals)
 
 
 def _StepsWatchingWorkers(steps, workers):
@@ -191,7 +196,8 @@ def _StepsWatchingWorkers(steps, workers):
   in a worker; benchmarks/RESULTS.md) where the same naive trial with
   TensorFlow's oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0) fails with
   ResourceExhaustedError, and the controller then waited for the dead
-  worker until the trial's timeout. A crash is taken as out of memory.
+  worker until the trial's timeout. A crash is out of memory when the
+  worker's report (CappedWorkers.Refusals) holds a refused allocation.
   """
   import threading  # pylint: disable=g-import-not-at-top
   outcome = []
@@ -208,8 +214,12 @@ def _StepsWatchingWorkers(steps, workers):
     thread.join(0.5)
     exited = workers.Exited()
     if exited and thread.is_alive():
+      refusals = {k: workers.Refusals(k) for k, _ in exited}
       raise WorkerDied('; '.join(
-          f'worker {k} died (exit status {status})' for k, status in exited))
+          f'worker {k} died (exit status {status})' + (
+              f' after its allocator refused {refusals[k][0].Describe()}'
+              if refusals[k] else ', no allocation refused')
+          for k, status in exited), [r for k in refusals for r in refusals[k]])
   if outcome[0] is not None:
     raise outcome[0]
 

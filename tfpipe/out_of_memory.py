@@ -100,6 +100,13 @@ def _Refusal(text):
       requested=ran_out.group(1) if ran_out else '', crashed=True)
 
 
+def _Restated(record, last):
+  """Whether `record` restates the failure just kept (`last`: [] or [the
+  last record]): TensorFlow logs one failed allocation more than once (the
+  op's failure, then each rendezvous that aborts with its status)."""
+  return bool(last) and record[:4] == last[0][:4] and not record.op
+
+
 def ParseRecords(text):
   """The OutOfMemoryRecords in TensorFlow log or error text, in order.
 
@@ -316,7 +323,8 @@ class StderrWatch:
       self._pending_op = text
     elif _OOM.search(text):
       for record in ParseRecords(self._pending_op + text):
-        self._Keep(record)
+        if not _Restated(record, self.records[-1:]):
+          self._Keep(record)
       self._pending_op = ''
     if self.hide_warnings:
       if _WARNING.match(text):

@@ -4,7 +4,9 @@ process per device.
 Protected properties: an allocation past a worker's limit fails there with
 TensorFlow's out-of-memory error naming that worker, while the other
 worker, and the one that failed, go on working; each worker's peak and
-current bytes are its own, and a reset starts a new peak.
+current bytes are its own, and a reset starts a new peak; a worker's
+refused allocations are in its report (what tells a worker that crashed
+out of memory from one that crashed for another reason).
 """
 # bazel: tags=manual
 
@@ -39,9 +41,16 @@ try:
     tf.reduce_sum(tf.ones([512, 1024])).numpy()  # 2 MiB, freed.
   with tf.device(workers.devices[1]):
     after = float(tf.reduce_sum(tf.ones([256, 256])))
+  import time
+  deadline = time.monotonic() + 30  # A remote tensor is freed
+  while (workers.Current()[0] >= 2 * 2**20 and  # asynchronously.
+         time.monotonic() < deadline):
+    time.sleep(0.05)
   out['peaks'] = workers.Peaks()
   out['current'] = workers.Current()
   out['after'] = after
+  out['refusals'] = [[[r.device, r.shape] for r in workers.Refusals(k)]
+                     for k in range(2)]
   del kept
   print('OUT ' + json.dumps(out))
 finally:
@@ -66,3 +75,5 @@ def test_each_worker_has_its_own_limit_and_memory():
   assert 3 * mib <= out['peaks'][0] <= 8 * mib  # Within its own limit.
   assert out['peaks'][1] < mib
   assert mib <= out['current'][0] < 2 * mib
+  assert out['refusals'] == [
+      [], [['/job:worker/replica:0/task:1/device:CPU:0', '1024,3072']]]
