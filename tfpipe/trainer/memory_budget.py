@@ -188,5 +188,6 @@ def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
   return trainer_oom.Diagnosis(
       p, devices, limit_mb=limit, shared_limit=shared,
       workers=controller.workers if controller else None,
-      watch=watch if isinstance(watch, out_of_memory_reports.RecordFile) else None,
+      watch=(watch if isinstance(watch, out_of_memory_reports.RecordFile)
+             else None),
       predict=Predict, last_good=last_good)
