@@ -40,6 +40,10 @@ from tfpipe import servers
 # Threads one op may use in a worker unless asked otherwise: one, as on a
 # device that runs one op at a time (the memory profiles match it).
 INTRA_OP_THREADS = 1
+# Each worker is another process's CPU, whose actions are calls on the
+# single-threaded executor (gpipe/cell_runtime.py): the memory profiles run
+# them so (memory_profile.ProfileRequest.single_threaded_calls).
+SINGLE_THREADED_CALLS = True
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

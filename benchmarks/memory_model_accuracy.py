@@ -159,7 +159,8 @@ def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
     start = time.time()
     profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
         p, micro_batch_sizes=sizes, example=example,
-        intra_op_threads=capped_workers.INTRA_OP_THREADS))
+        intra_op_threads=capped_workers.INTRA_OP_THREADS,
+        single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS))
     log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
         f'in {time.time() - start:.0f}s')
   workers = pending or capped_workers.CappedWorkers(
@@ -210,7 +211,8 @@ def _ProfileAgain(base, example, by_k, log):
     profiles[k] = [c.ToDict() for c in memory_report.Profile(
         memory_report.ProfileRequest(
             p, micro_batch_sizes=sizes, example=example,
-            intra_op_threads=capped_workers.INTRA_OP_THREADS))]
+            intra_op_threads=capped_workers.INTRA_OP_THREADS,
+            single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS))]
     log(f'K={k}: profiled again in {time.time() - start:.0f}s')
   return profiles
 

@@ -164,6 +164,12 @@ class CellRuntime:
     self.device = device
     self._inline_backward = inline_backward
     self._on_worker_cpu = None  # OnWorkerCpu(device), once connected.
+    # None: graph actions are single-threaded calls on a worker's CPU
+    # (_SingleThreadedCalls). True: every action is, eagerly too, wherever
+    # the cell runs: the memory profile (gpipe/memory_profile.py) runs a
+    # worker's actions so in its own process, since how many of an
+    # action's ops run at once decides its peak.
+    self.single_threaded_calls = None
     self._logged_unsupported_op = False
     self.accumulators = accumulators.GradientAccumulators(device)
     self.programs = cell_program.ProgramCache()
@@ -215,8 +221,11 @@ class CellRuntime:
 
     Only for a cell whose variables are all on its device: the
     single-threaded executor cannot run a function that spans devices, as
-    a replica's cell reading replica 0's variables does.
+    a replica's cell reading replica 0's variables does. Set
+    `single_threaded_calls` decides instead.
     """
+    if self.single_threaded_calls is not None:
+      return self.single_threaded_calls
     if tf.executing_eagerly():
       return False
     if self._on_worker_cpu is None:

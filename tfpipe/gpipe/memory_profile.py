@@ -18,6 +18,13 @@ memory model predicts is what this engine keeps, whatever that is; nothing
 about it is written down here. A profile runs with the devices' intra-op
 threads (`ProfileRequest.intra_op_threads`): how many ops run at once
 decides how many working sets coexist, the optimizer update's above all.
+For devices that run each action as a call on TensorFlow's single-threaded
+executor (a worker process's CPU: gpipe/cell_runtime.py) the profile's
+actions are such calls too (`ProfileRequest.single_threaded_calls`): on the
+default executor two of an action's ops may run at once, and their
+temporaries add up (AmoebaNet-D's first cell's backward at micro-batch 4,
+on a CPU whose TensorFlow runs without oneDNN: 72 MiB on the default
+executor, 40 MiB one op at a time; its worker peaked at 44 MiB in all).
 
 A cell that is not last gets a stand-in loss (the mean of its float
 outputs), whose gradient a real pipeline receives from the next device
@@ -197,7 +204,8 @@ def _Worst(steps, kind, micro_batch):
 
 
 def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
-                is_last, optimizer_params, clip_gradient_norm=1.0):
+                is_last, optimizer_params, clip_gradient_norm=1.0,
+                single_threaded_calls=False):
   """The CellMemory of one cell at one micro-batch size.
 
   Args:
@@ -209,6 +217,8 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
     is_last: whether the cell is the pipeline's last, which runs the loss.
     optimizer_params: the task's optimizer params (trainer.optimizer).
     clip_gradient_norm: the task's clipping, part of the update.
+    single_threaded_calls: run each action as a call on the single-threaded
+      executor, as a worker's CPU does (ProfileRequest).
 
   Returns:
     A memory_model.CellMemory.
@@ -230,6 +240,9 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
         name='profile', cell_tpl=[cell_params.Copy()], num_micro_batches=2,
         devices=[LocalCpu()], executor='threads', schedule='gpipe',
         remat_policy=mode).Instantiate()
+    if single_threaded_calls:
+      for cell in pipe.runtime.cells[0]:
+        cell.single_threaded_calls = True
     recorder = MemoryRecordingDispatcher()
     pipe.SetThreadsDispatcher(recorder)
     steps = []
@@ -337,6 +350,9 @@ class ProfileRequest:
       for (0: TensorFlow's default). How many ops run at once, and so the
       working set of an action (the optimizer update's above all), follows
       it; ProfileInSubprocess profiles with it.
+    single_threaded_calls: whether the devices run each action as a call on
+      TensorFlow's single-threaded executor, as a worker process's CPU does
+      (cell_runtime.OnWorkerCpu); the profile's actions then do too.
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -355,6 +371,7 @@ class ProfileRequest:
     # batch the profiling process reads (so the caller runs no TF op).
     self.input_params = None
     self.intra_op_threads = 0
+    self.single_threaded_calls = False
 
   def Select(self, indices):
     """Keeps only the cells at these pipeline positions."""
@@ -388,7 +405,8 @@ def ProfileCells(request, log=None):
         inputs = (request.inputs if k == 0 else RandomInputs(shape, 1))
         measurements.append(ProfileCell(
             cell, inputs, request.targets, request.loss_fn, n, k == last,
-            request.optimizer_params, request.clip_gradient_norm))
+            request.optimizer_params, request.clip_gradient_norm,
+            request.single_threaded_calls))
       done[key] = memory_model.CellProfile(measurements)
       if log:
         log(f'profiled cell {k} ({cell.name}) at micro-batch sizes '

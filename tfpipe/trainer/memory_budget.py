@@ -129,6 +129,15 @@ def _IntraOpThreads(flag_values):
   return getattr(flag_values, 'intra_op_threads', 0) or 0
 
 
+def _SingleThreadedCalls(devices):
+  """Whether the cells' devices are worker processes' CPUs, whose actions
+  are calls on the single-threaded executor (gpipe/cell_runtime.py), as the
+  memory profiles then run them: an action's working set follows how many
+  of its ops run at once."""
+  from tfpipe.gpipe import cell_runtime  # pylint: disable=g-import-not-at-top
+  return any(cell_runtime.OnWorkerCpu(d) for d in devices or [])
+
+
 def PlanIfAsked(p, flag_values, log=print):
   """Applies --plan=auto to the params (before any device is set up).
 
@@ -165,7 +174,8 @@ def InspectLines(p, flag_values, devices):
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   example = memory_report.ExampleBatch(p)
   profiles = memory_report.Profile(memory_report.ProfileRequest(
-      p, example=example, intra_op_threads=_IntraOpThreads(flag_values)))
+      p, example=example, intra_op_threads=_IntraOpThreads(flag_values),
+      single_threaded_calls=_SingleThreadedCalls(devices)))
   peaks = memory_report.PredictPeaks(p, profiles, example)
   return memory_report.BudgetLines(p, peaks, budget, devices)
 
@@ -183,7 +193,8 @@ def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
     from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
     example = memory_report.ExampleBatch(p)
     profiles = memory_report.Profile(memory_report.ProfileRequest(
-        p, example=example, intra_op_threads=_IntraOpThreads(flag_values)))
+        p, example=example, intra_op_threads=_IntraOpThreads(flag_values),
+        single_threaded_calls=_SingleThreadedCalls(devices)))
     return memory_report.PredictPeaks(p, profiles, example)
   return trainer_oom.Diagnosis(
       p, devices, limit_mb=limit, shared_limit=shared,

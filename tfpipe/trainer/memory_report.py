@@ -54,7 +54,7 @@ def StepMicroBatchSizes(p):
 
 
 def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
-                   intra_op_threads=0):
+                   intra_op_threads=0, single_threaded_calls=False):
   """A memory_profile.ProfileRequest for the experiment's cells.
 
   Args:
@@ -65,6 +65,9 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
       reads one of p.input's (this process runs no TensorFlow op).
     intra_op_threads: each device's intra-op threads (0: TensorFlow's
       default), which the profile runs with.
+    single_threaded_calls: the devices are worker processes' CPUs, which run
+      each action as a call on the single-threaded executor; the profile's
+      actions then are too (memory_profile.ProfileRequest).
   """
   model = p.task.model.Instantiate()
   if cells is None:
@@ -77,6 +80,7 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
   if example is None:
     request.input_params = p.input
   request.intra_op_threads = intra_op_threads
+  request.single_threaded_calls = single_threaded_calls
   return request
 
 
