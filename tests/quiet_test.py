@@ -8,6 +8,8 @@ import) and reads what reached its stderr.
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -28,6 +30,13 @@ def StartupLines(text):
           if any(marker in line for marker in STARTUP_MARKERS)]
 
 
+def UserEnv():
+  """os.environ without the tests' TF_CPP_MIN_LOG_LEVEL (RunPython's)."""
+  env = dict(os.environ)
+  env.pop('TF_CPP_MIN_LOG_LEVEL', None)
+  return env
+
+
 def RunPython(*args, timeout=120):
   """Runs `python args` in the repository as a new user would: its result.
 
@@ -35,11 +44,74 @@ def RunPython(*args, timeout=120):
   between TensorFlow's start-up log and the process's stderr. Shared by the
   tests of the command lines that must start quietly.
   """
-  env = dict(os.environ)
-  env.pop('TF_CPP_MIN_LOG_LEVEL', None)
-  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=UserEnv(),
                         capture_output=True, text=True, timeout=timeout,
                         check=False)
+
+
+class Started:
+  """`python args` started now, in the repository; Result() waits for it.
+
+  For several processes that a test needs at once: one that starts
+  TensorFlow and traces uses about one core, and CI has two. Its output goes
+  to temporary files, so it never waits for a pipe to be read. Unless `env`
+  is given, it runs as RunPython runs it.
+  """
+
+  def __init__(self, *args, timeout=120, env=None):
+    self.args = [sys.executable, *args]
+    self._timeout = timeout
+    self._deadline = time.monotonic() + timeout
+    self._files = [tempfile.TemporaryFile('w+'),
+                   tempfile.TemporaryFile('w+')]
+    self._proc = subprocess.Popen(
+        self.args, cwd=ROOT, env=UserEnv() if env is None else env,
+        stdout=self._files[0], stderr=self._files[1], text=True)
+    self._result = None
+
+  def Result(self):
+    """Its subprocess.CompletedProcess (text stdout and stderr).
+
+    Raises:
+      subprocess.TimeoutExpired: it ran past its timeout (it is killed).
+    """
+    if self._result is None:
+      try:
+        self._proc.wait(timeout=max(0.0, self._deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        self.Kill()
+        raise subprocess.TimeoutExpired(self.args, self._timeout) from None
+      out, err = self._ReadAndClose()
+      self._result = subprocess.CompletedProcess(
+          self.args, self._proc.returncode, out, err)
+    return self._result
+
+  def Kill(self):
+    """Ends it if it still runs (a test that failed before Result)."""
+    if self._proc.poll() is None:
+      self._proc.kill()
+      self._proc.wait()
+    self._ReadAndClose()
+
+  def _ReadAndClose(self):
+    texts = []
+    for f in self._files:
+      if f.closed:
+        return None, None
+      f.seek(0)
+      texts.append(f.read())
+    for f in self._files:
+      f.close()
+    return tuple(texts)
+
+
+def RunAll(*started):
+  """The results of Started processes, in order; none is left running."""
+  try:
+    return [s.Result() for s in started]
+  finally:
+    for s in started:
+      s.Kill()
 
 
 def _Run(script, *args):
@@ -134,10 +206,10 @@ print(tf.reduce_sum(tf.ones([3])).numpy())
 
 
 def test_tensorflow_import_is_quiet_and_verbosity_one_brings_it_back():
-  proc = _Run(_IMPORT)
+  proc, shown = RunAll(Started('-c', _IMPORT),
+                       Started('-c', _IMPORT, '--verbosity=1'))
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.strip() == '3.0'
   assert StartupLines(proc.stdout + proc.stderr) == []
-  shown = _Run(_IMPORT, '--verbosity=1')
   assert shown.returncode == 0, shown.stderr
   assert StartupLines(shown.stderr), shown.stderr

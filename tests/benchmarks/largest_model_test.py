@@ -14,48 +14,66 @@ import shutil
 
 import pytest
 
+from tests import quiet_test
 from tests.benchmarks import script_runner
 
 _TINY = ['--family=transformer', '--size=1', '--batch=4', '--dim=16',
          '--seq=8']
 
 
-def _Trial(*args, capped_mib=None):
-  """One trial's TRIAL dict; naive-1's process capped as the search caps it
+def _StartTrial(*args, capped_mib=None):
+  """One trial's process; naive-1's capped as the search caps it
   (largest_model.Trial), pipelined trials' workers by --budget_mib."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
   from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
   env = memory_limit.CappedEnv(capped_mib)
   env['TF_CPP_MIN_LOG_LEVEL'] = '2'
-  proc = subprocess.run(
-      [sys.executable, '-m', 'benchmarks.largest_model', *_TINY, *args],
-      cwd=script_runner.ROOT, env=env, capture_output=True, text=True,
-      timeout=240, check=False)
+  return quiet_test.Started('-m', 'benchmarks.largest_model', *_TINY, *args,
+                            timeout=240, env=env)
+
+
+def _TrialResult(started):
+  """The trial's TRIAL dict."""
+  proc = started.Result()
   lines = [l for l in proc.stdout.splitlines() if l.startswith('TRIAL ')]
   assert len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
   return json.loads(lines[0][len('TRIAL '):])
 
 
-def test_naive_trial_trains_within_the_budget_or_is_out_of_memory():
-  result = _Trial('--trial=naive-1', '--budget_mib=64', capped_mib=64)
+@pytest.fixture(name='trials', scope='module')
+def fixture_trials():
+  """The trials the tests check, started together: {name: started}."""
+  trials = {
+      'fits': _StartTrial('--trial=naive-1', '--budget_mib=64', capped_mib=64),
+      # One activation of this size alone (16 x 128 x 256 floats) is 2 MiB.
+      'too_small': _StartTrial('--trial=naive-1', '--budget_mib=1',
+                               '--dim=256', '--seq=128', '--batch=16',
+                               capped_mib=1),
+  }
+  if shutil.which('unshare'):
+    trials['pipelined'] = _StartTrial('--trial=pipeline-2', '--budget_mib=64',
+                                      '--layer_counts=2,3')
+  yield trials
+  for started in trials.values():
+    started.Kill()
+
+
+def test_naive_trial_trains_within_the_budget_or_is_out_of_memory(trials):
+  result = _TrialResult(trials['fits'])
   assert result['fits'], result
   assert 0 < result['peaks'][0] <= 64 * 2**20
   assert result['params'] > 0
-  # One activation of this size alone (16 x 128 x 256 floats) is 2 MiB.
-  too_small = _Trial('--trial=naive-1', '--budget_mib=1', '--dim=256',
-                     '--seq=128', '--batch=16', capped_mib=1)
+  too_small = _TrialResult(trials['too_small'])
   assert not too_small['fits']
   assert too_small['out_of_memory'], too_small
 
 
 @pytest.mark.skipif(not shutil.which('unshare'),
                     reason='needs unshare (util-linux) for loopback servers')
-def test_pipelined_trial_on_capped_workers():
+def test_pipelined_trial_on_capped_workers(trials):
   # Out of memory on capped workers is reported by the same code as in the
   # naive trial (out_of_memory.FindInError; its worker errors are tested
   # in tests/out_of_memory_test.py and tests/trainer/auto_plan_test.py).
-  fits = _Trial('--trial=pipeline-2', '--budget_mib=64', '--layer_counts=2,3')
+  fits = _TrialResult(trials['pipelined'])
   assert fits['fits'], fits
   assert len(fits['peaks']) == 2 and max(fits['peaks']) <= 64 * 2**20
 

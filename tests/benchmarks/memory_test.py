@@ -8,10 +8,10 @@ per-device GPipe prediction, not the figures.
 # bazel: tags=manual
 
 import json
-import os
-import subprocess
-import sys
 
+import pytest
+
+from tests import quiet_test
 from tests.benchmarks import script_runner
 
 _TINY = ['--num_layers=2', '--num_cells=2', '--batch=4', '--seq=8',
@@ -27,9 +27,29 @@ memory.PerDeviceMain(bench_lib.SplitCpu(2), device_type='CPU')
 '''
 
 
-def test_cpu_table_compares_each_configuration_with_the_formula(tmp_path):
-  out = tmp_path / 'memory.json'
-  script_runner.Run('benchmarks.memory', *_TINY, f'--output_json={out}')
+@pytest.fixture(name='runs', scope='module')
+def fixture_runs(tmp_path_factory):
+  """The three runs the tests check, started together: {name: (run, json)}."""
+  tmp = tmp_path_factory.mktemp('memory')
+  runs = {
+      'cpu': (script_runner.Start('benchmarks.memory', *_TINY,
+                                  f'--output_json={tmp / "cpu.json"}'),
+              tmp / 'cpu.json'),
+      'per_device': (quiet_test.Started(
+          '-c', _PER_DEVICE, *_TINY,
+          f'--output_json={tmp / "per_device.json"}', timeout=240),
+                     tmp / 'per_device.json'),
+      'gpu': (script_runner.StartGpuMode('benchmarks.memory', *_TINY), None),
+  }
+  yield runs
+  for run, _ in runs.values():
+    if run is not None:
+      run.Kill()
+
+
+def test_cpu_table_compares_each_configuration_with_the_formula(runs):
+  run, out = runs['cpu']
+  script_runner.Finished(run)
   results = json.loads(out.read_text())['results']
   assert len(results) == 1 + 7  # Keras, then 7 configurations at M=2.
   assert all(r['peak_bytes'] > 0 and r['predicted_bytes'] > 0
@@ -40,14 +60,9 @@ def test_cpu_table_compares_each_configuration_with_the_formula(tmp_path):
              for r in tape)
 
 
-def test_per_device_path_reports_every_device_and_its_prediction(tmp_path):
-  out = tmp_path / 'memory.json'
-  env = dict(os.environ)
-  env.pop('TF_CPP_MIN_LOG_LEVEL', None)
-  proc = subprocess.run(
-      [sys.executable, '-c', _PER_DEVICE, *_TINY, f'--output_json={out}'],
-      cwd=script_runner.ROOT, env=env, capture_output=True, text=True,
-      timeout=240, check=False)
+def test_per_device_path_reports_every_device_and_its_prediction(runs):
+  run, out = runs['per_device']
+  proc = run.Result()
   assert proc.returncode == 0, proc.stderr[-3000:]
   payload = json.loads(out.read_text())
   assert payload['device_type'] == 'CPU'
@@ -62,5 +77,5 @@ def test_per_device_path_reports_every_device_and_its_prediction(tmp_path):
       proc.stdout)
 
 
-def test_gpu_mode_without_a_gpu_names_the_flag():
-  script_runner.AssertGpuModeRefused('benchmarks.memory', *_TINY)
+def test_gpu_mode_without_a_gpu_names_the_flag(runs):
+  script_runner.AssertGpuModeRefused(runs['gpu'][0])

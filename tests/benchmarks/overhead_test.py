@@ -8,6 +8,8 @@ The GPU mode shares this code path: only the devices differ
 
 import json
 
+import pytest
+
 from tests.benchmarks import script_runner
 
 _TINY = ['--models=transformer', '--num_layers=2', '--num_cells=2',
@@ -15,10 +17,25 @@ _TINY = ['--models=transformer', '--num_layers=2', '--num_cells=2',
          '--reps=1']
 
 
-def test_tiny_run_times_every_configuration_quietly(tmp_path):
-  out = tmp_path / 'overhead.json'
-  proc = script_runner.Run('benchmarks.overhead', *_TINY,
-                           f'--output_json={out}')
+@pytest.fixture(name='runs', scope='module')
+def fixture_runs(tmp_path_factory):
+  """The tiny run and --device=gpu, started together: {name: (run, json)}."""
+  tmp = tmp_path_factory.mktemp('overhead')
+  runs = {
+      'tiny': (script_runner.Start('benchmarks.overhead', *_TINY,
+                                   f'--output_json={tmp / "overhead.json"}'),
+               tmp / 'overhead.json'),
+      'gpu': (script_runner.StartGpuMode('benchmarks.overhead', *_TINY), None),
+  }
+  yield runs
+  for run, _ in runs.values():
+    if run is not None:
+      run.Kill()
+
+
+def test_tiny_run_times_every_configuration_quietly(runs):
+  run, out = runs['tiny']
+  proc = script_runner.Finished(run)
   result = json.loads(out.read_text())['results'][0]
   assert result['device_type'] == 'CPU'
   assert sorted(result['median_s']) == sorted([
@@ -29,5 +46,5 @@ def test_tiny_run_times_every_configuration_quietly(tmp_path):
   assert 'K=2 on 4 logical CPU devices' in proc.stdout
 
 
-def test_gpu_mode_without_a_gpu_names_the_flag():
-  script_runner.AssertGpuModeRefused('benchmarks.overhead', *_TINY)
+def test_gpu_mode_without_a_gpu_names_the_flag(runs):
+  script_runner.AssertGpuModeRefused(runs['gpu'][0])

@@ -13,13 +13,26 @@ from tests.benchmarks import script_runner
 
 _TINY = ['--num_layers=2', '--dim=16', '--batch=16', '--micro_batches=1,2',
          '--reps=1']
+_MODES = ['threads', 'grpc_graph', 'grpc_threads']
 
 
-@pytest.mark.parametrize('mode', ['threads', 'grpc_graph', 'grpc_threads'])
-def test_each_mode_reports_the_speedup_against_the_ideal(tmp_path, mode):
-  out = tmp_path / 'eff.json'
-  proc = script_runner.Run('benchmarks.pipeline_efficiency', f'--mode={mode}',
-                           *_TINY, f'--output_json={out}', timeout=300)
+@pytest.fixture(name='runs', scope='module')
+def fixture_runs(tmp_path_factory):
+  """A tiny run of each mode, started together: {mode: (run, json)}."""
+  tmp = tmp_path_factory.mktemp('pipeline_efficiency')
+  runs = {mode: (script_runner.Start(
+      'benchmarks.pipeline_efficiency', f'--mode={mode}', *_TINY,
+      f'--output_json={tmp / f"{mode}.json"}', timeout=300),
+                 tmp / f'{mode}.json') for mode in _MODES}
+  yield runs
+  for run, _ in runs.values():
+    run.Kill()
+
+
+@pytest.mark.parametrize('mode', _MODES)
+def test_each_mode_reports_the_speedup_against_the_ideal(runs, mode):
+  run, out = runs[mode]
+  proc = script_runner.Finished(run)
   payload = json.loads(out.read_text())
   runs = [r for r in payload['results'] if 'num_micro_batches' in r]
   assert [r['num_micro_batches'] for r in runs] == [1, 2]

@@ -3,16 +3,34 @@
 
 import json
 
+import pytest
+
 from tests.benchmarks import script_runner
 
 _TINY = ['--num_layers=4', '--dim=16', '--batch=32', '--num_micro_batches=4',
          '--reps=2']
 
 
-def test_every_schedule_is_timed_recorded_and_compared(tmp_path):
-  out = tmp_path / 'schedules.json'
-  proc = script_runner.Run('benchmarks.schedules', *_TINY,
-                           f'--output_json={out}')
+@pytest.fixture(name='runs', scope='module')
+def fixture_runs(tmp_path_factory):
+  """The tiny run and one with an unknown schedule, started together:
+  {name: (run, json)}."""
+  tmp = tmp_path_factory.mktemp('schedules')
+  runs = {
+      'tiny': (script_runner.Start('benchmarks.schedules', *_TINY,
+                                   f'--output_json={tmp / "schedules.json"}'),
+               tmp / 'schedules.json'),
+      'unknown': (script_runner.Start('benchmarks.schedules', *_TINY,
+                                      '--schedules=gpipe,zigzag'), None),
+  }
+  yield runs
+  for run, _ in runs.values():
+    run.Kill()
+
+
+def test_every_schedule_is_timed_recorded_and_compared(runs):
+  run, out = runs['tiny']
+  proc = script_runner.Finished(run)
   payload = json.loads(out.read_text())
   results = {r['schedule']: r for r in payload['results']}
   assert sorted(results) == ['1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1']
@@ -27,8 +45,7 @@ def test_every_schedule_is_timed_recorded_and_compared(tmp_path):
   assert 'ZB-H1 vs 1F1B' in proc.stdout
 
 
-def test_unknown_schedule_is_named():
-  proc = script_runner.Run('benchmarks.schedules', *_TINY,
-                           '--schedules=gpipe,zigzag', expect_ok=False)
+def test_unknown_schedule_is_named(runs):
+  proc = script_runner.Finished(runs['unknown'][0], expect_ok=False)
   assert proc.returncode == 1
   assert "--schedules: unknown ['zigzag']" in proc.stderr

@@ -8,16 +8,33 @@ the flag named.
 
 import json
 
+import pytest
+
 from tests.benchmarks import script_runner
 
 _TINY = ['--num_layers=2', '--num_cells=2', '--batch=8', '--seq=4',
          '--dim=16', '--num_micro_batches=2', '--output_png=']
 
 
-def test_tiny_recorded_step_has_every_action(tmp_path):
-  out = tmp_path / 'timeline.json'
-  proc = script_runner.Run('benchmarks.timeline', *_TINY,
-                           f'--output_json={out}')
+@pytest.fixture(name='runs', scope='module')
+def fixture_runs(tmp_path_factory):
+  """The tiny run and --device=gpu, started together: {name: (run, json)}."""
+  tmp = tmp_path_factory.mktemp('timeline')
+  runs = {
+      'tiny': (script_runner.Start('benchmarks.timeline', *_TINY,
+                                   f'--output_json={tmp / "timeline.json"}'),
+               tmp / 'timeline.json'),
+      'gpu': (script_runner.StartGpuMode('benchmarks.timeline', *_TINY), None),
+  }
+  yield runs
+  for run, _ in runs.values():
+    if run is not None:
+      run.Kill()
+
+
+def test_tiny_recorded_step_has_every_action(runs):
+  run, out = runs['tiny']
+  proc = script_runner.Finished(run)
   payload = json.loads(out.read_text())
   assert payload['device_type'] == 'CPU'
   actions = payload['timeline']['actions']
@@ -29,5 +46,5 @@ def test_tiny_recorded_step_has_every_action(tmp_path):
   assert 'bubble' in proc.stdout
 
 
-def test_gpu_mode_without_a_gpu_names_the_flag():
-  script_runner.AssertGpuModeRefused('benchmarks.timeline', *_TINY)
+def test_gpu_mode_without_a_gpu_names_the_flag(runs):
+  script_runner.AssertGpuModeRefused(runs['gpu'][0])

@@ -12,9 +12,9 @@ single-threaded executor either runs or, where it cannot, leaves to the
 default executor; a tf.py_function, which cannot run on a worker, is
 refused when its cell is traced, with an error naming the cell, instead of
 hanging. Starting TensorFlow processes costs seconds, so one probe process
-per test (this file run as a module) starts two workers of two CPU devices
-each, checks every configuration, prints one JSON line per check and kills
-the workers; the test reads the lines.
+for the file (this file run as a module) starts two workers of two CPU
+devices each, checks every configuration of both tests, prints one JSON line
+per check and kills the workers; each test reads its lines.
 """
 # bazel: deps=//tfpipe:local_cluster,//tfpipe:network_namespace,//tfpipe:servers
 
@@ -24,10 +24,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 _MODULE = 'tests.gpipe.remote_runtime_test'
-_PROBE_TIMEOUT_S = 240
+_PROBE_TIMEOUT_S = 300
 _WORKERS = 2
 _DEVICES_PER_WORKER = 2
 _SCHEDULES = ('gpipe', '1f1b', 'zb_h1', 'interleaved_1f1b')
@@ -238,14 +240,16 @@ def _Probe(checks):
     children.Close()
 
 
-_PROBES = {'schedules': _CheckSchedules, 'constructs': _CheckConstructs}
+def _CheckAll():
+  _CheckSchedules()
+  _CheckConstructs()  # Its py_function comes last.
 
 
-def _RunProbe(probe):
+def _RunProbe():
   """{check name: check} from a probe process (killed at the timeout, its
   workers with it)."""
   proc = subprocess.run(
-      [sys.executable, '-m', _MODULE, probe], cwd=_REPO_ROOT,
+      [sys.executable, '-m', _MODULE, 'probe'], cwd=_REPO_ROOT,
       capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S, check=False)
   checks = {}
   for line in proc.stdout.splitlines():
@@ -262,9 +266,17 @@ def _AssertExact(check):
   assert check['worst_gradient_error'] <= 1.0, check
 
 
-def test_every_schedule_on_worker_processes_equals_one_process():
-  checks = _RunProbe('schedules')
-  assert sorted(checks) == sorted(name for name, _ in _Configs())
+@pytest.fixture(name='probe_checks', scope='module')
+def fixture_probe_checks():
+  """{check name: check} of every configuration of both tests."""
+  return _RunProbe()
+
+
+def test_every_schedule_on_worker_processes_equals_one_process(probe_checks):
+  names = [name for name, _ in _Configs()]
+  checks = {name: probe_checks[name] for name in names
+            if name in probe_checks}
+  assert sorted(checks) == sorted(names)
   num_reference_gradients = 16  # 8 FC layers, a weight and a bias each.
   for name, check in checks.items():
     assert check['jobs'] == ['worker'], check  # The cells ran on the workers.
@@ -284,13 +296,15 @@ def test_every_schedule_on_worker_processes_equals_one_process():
         assert list(executors) == [_SINGLE_THREADED], check
 
 
-def test_cells_of_users_constructs_on_worker_processes_equal_one_process():
+def test_cells_of_users_constructs_on_worker_processes_equal_one_process(
+    probe_checks):
   """A cell holding control flow keeps the default executor for its calls
   (the single-threaded one refused them) and trains exactly; one without
   stays on the single-threaded executor; a py_function is refused at
   trace time instead of hanging."""
-  checks = _RunProbe('constructs')
   configs = dict(_ConstructConfigs())
+  checks = {name: probe_checks[name] for name in configs
+            if name in probe_checks}
   assert sorted(checks) == sorted(configs)
   for name, check in checks.items():
     if configs[name].get('fails'):
@@ -311,4 +325,4 @@ if __name__ == '__main__':
   if sys.argv[1] == 'worker':
     _Serve(sys.argv[2], int(sys.argv[3]))
   else:
-    _Probe(_PROBES[sys.argv[1]])
+    _Probe(_CheckAll)

@@ -89,26 +89,55 @@ def _PeakBytes(*configs):
              TF_CPP_MIN_LOG_LEVEL='2', TF_NUM_INTEROP_THREADS='1',
              TF_NUM_INTRAOP_THREADS='1')
   proc = subprocess.run([sys.executable, '-c', _PROBE, json.dumps(configs)],
-                        env=env, capture_output=True, text=True, timeout=240,
+                        env=env, capture_output=True, text=True, timeout=480,
                         check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT')]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   return json.loads(lines[-1][len('RESULT'):])
 
 
-def test_remat_lowers_peak_memory_on_a_deep_model():
-  common = dict(dim=256, depth=32, batch=512, m=4, schedule='gpipe')
-  no_remat, remat = _PeakBytes(dict(remat='never', **common),
-                               dict(remat='always', **common))
+_DEEP = dict(dim=256, depth=32, batch=512, m=4, schedule='gpipe')
+_SIXTEEN_MICRO_BATCHES = dict(dim=256, depth=16, batch=1024, m=16,
+                              remat='never')
+_TAPE_PATHS = [('tape', True, 'graph'), ('tape', False, 'threads'),
+               ('outer_tape', False, 'graph')]
+
+
+def _TapePath(entry, traced, executor, m):
+  return dict(dim=512, depth=8, batch=256, remat='always', schedule='gpipe',
+              entry=entry, traced=traced, executor=executor, m=m)
+
+
+# The configurations the tests below compare, by test. Starting a process
+# that measures costs seconds, so one probe measures them all.
+_MEASURED = {
+    'remat': [dict(remat='never', **_DEEP), dict(remat='always', **_DEEP)],
+    'schedules': [dict(schedule=s, **_SIXTEEN_MICRO_BATCHES)
+                  for s in ('gpipe', '1f1b', 'zb_h1')],
+    **{path: [_TapePath(*path, m=1), _TapePath(*path, m=16)]
+       for path in _TAPE_PATHS},
+}
+
+
+@pytest.fixture(name='peak_bytes', scope='module')
+def fixture_peak_bytes():
+  """{test's key: the peak bytes of its configurations, in order}."""
+  peaks = iter(_PeakBytes(*[cfg for configs in _MEASURED.values()
+                            for cfg in configs]))
+  return {key: [next(peaks) for _ in configs]
+          for key, configs in _MEASURED.items()}
+
+
+def test_remat_lowers_peak_memory_on_a_deep_model(peak_bytes):
+  no_remat, remat = peak_bytes['remat']
   # Without remat every layer's activations live until backward; with it only
   # the 4 cell boundaries do (plus one cell being recomputed).
   assert remat < 0.6 * no_remat, (remat, no_remat)
 
 
-def test_1f1b_and_zb_h1_peak_memory_below_gpipe_at_16_micro_batches():
-  common = dict(dim=256, depth=16, batch=1024, m=16, remat='never')
-  gpipe_peak, one_f_one_b_peak, zero_bubble_peak = _PeakBytes(
-      *[dict(schedule=s, **common) for s in ('gpipe', '1f1b', 'zb_h1')])
+def test_1f1b_and_zb_h1_peak_memory_below_gpipe_at_16_micro_batches(
+    peak_bytes):
+  gpipe_peak, one_f_one_b_peak, zero_bubble_peak = peak_bytes['schedules']
   assert one_f_one_b_peak < 0.8 * gpipe_peak, (one_f_one_b_peak, gpipe_peak)
   # ZB-H1 frees a micro-batch's activations at its W. It holds K micro-
   # batches on every device where 1F1B holds K-k, and the devices share one
@@ -121,11 +150,9 @@ def test_1f1b_and_zb_h1_peak_memory_below_gpipe_at_16_micro_batches():
       zero_bubble_peak, one_f_one_b_peak)
 
 
-@pytest.mark.parametrize('entry,traced,executor', [
-    ('tape', True, 'graph'), ('tape', False, 'threads'),
-    ('outer_tape', False, 'graph')])
-def test_tape_path_memory_does_not_grow_with_micro_batches(entry, traced,
-                                                           executor):
+@pytest.mark.parametrize('entry,traced,executor', _TAPE_PATHS)
+def test_tape_path_memory_does_not_grow_with_micro_batches(
+    peak_bytes, entry, traced, executor):
   """pipe(x) under a GradientTape: one gradient buffer, not one per micro-batch.
 
   Before the runtime ran the tape's backward itself, TensorFlow kept one
@@ -134,10 +161,7 @@ def test_tape_path_memory_does_not_grow_with_micro_batches(entry, traced,
   that runs pipe(x), it did so until tf.custom_gradient carried the
   pipeline's backward across the function boundary.
   """
-  common = dict(dim=512, depth=8, batch=256, remat='always',
-                schedule='gpipe', entry=entry, traced=traced,
-                executor=executor)
-  one, sixteen = _PeakBytes(dict(m=1, **common), dict(m=16, **common))
+  one, sixteen = peak_bytes[(entry, traced, executor)]
   assert sixteen <= 1.3 * one, (sixteen / 2**20, one / 2**20)
 
 

@@ -7,10 +7,13 @@ from tfpipe import model_registry
 from tfpipe.trainer import task as task_lib
 
 
-def test_tiny_amoebanet_trains_from_the_command_line(tmp_path):
-  stdout = command_line.RunTrainer(
-      tmp_path / 'amoeba', '--model=image.TinyAmoebaNetD', '--max_steps=2',
-      '--model_params_override=task.eval.num_batches: 1')
+command_line.Declare('image.TinyAmoebaNetD', '--model=image.TinyAmoebaNetD',
+                     '--max_steps=2',
+                     '--model_params_override=task.eval.num_batches: 1')
+
+
+def test_tiny_amoebanet_trains_from_the_command_line():
+  stdout = command_line.Stdout('image.TinyAmoebaNetD')
   assert 'step 2/2 loss=' in stdout
   assert 0.0 <= command_line.FinalEval(stdout)['accuracy'] <= 1.0
 

@@ -6,9 +6,12 @@ from tests.params import command_line
 from tfpipe import model_registry
 
 
-def test_tiny_translation_model_trains_from_the_command_line(tmp_path):
-  stdout = command_line.RunTrainer(
-      tmp_path / 'mt', '--model=mt.TinyTransformerNmt', '--max_steps=2')
+command_line.Declare('mt.TinyTransformerNmt', '--model=mt.TinyTransformerNmt',
+                     '--max_steps=2')
+
+
+def test_tiny_translation_model_trains_from_the_command_line():
+  stdout = command_line.Stdout('mt.TinyTransformerNmt')
   assert 'step 2/2 loss=' in stdout
   assert 0.0 <= command_line.FinalEval(stdout)['accuracy'] <= 1.0
 

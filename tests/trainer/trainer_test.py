@@ -36,9 +36,12 @@ _FAST_FLAGS = ['--model=mlp.TinyMlp', '--max_steps=20',
                '--run_locally=cpu']
 
 
+def _Args(logdir, extra=()):
+  return ['-m', 'tfpipe.trainer', f'--logdir={logdir}', *_FAST_FLAGS, *extra]
+
+
 def _Command(logdir, extra=()):
-  return [sys.executable, '-m', 'tfpipe.trainer', f'--logdir={logdir}',
-          *_FAST_FLAGS, *extra]
+  return [sys.executable, *_Args(logdir, extra)]
 
 
 def _Env():
@@ -68,11 +71,14 @@ def _EventLosses(logdir):
   return result
 
 
-def _RunToCompletion(logdir, timeout=300):
-  out = subprocess.run(_Command(logdir), capture_output=True, text=True,
-                       timeout=timeout, env=_Env(), check=False)
-  assert out.returncode == 0, out.stdout + out.stderr
-  return out.stdout
+def _StartRun(logdir, timeout=300):
+  """Training to the end, started (quiet_test.Started)."""
+  return quiet_test.Started(*_Args(logdir), timeout=timeout, env=_Env())
+
+
+def _Stdout(completed):
+  assert completed.returncode == 0, completed.stdout + completed.stderr
+  return completed.stdout
 
 
 def _RunAndKill(logdir, kill_after_step, timeout=300):
@@ -111,17 +117,19 @@ def _RunAndKill(logdir, kill_after_step, timeout=300):
 
 
 def test_killed_run_resumes_with_exactly_the_same_losses(tmp_path):
-  reference = _RunToCompletion(tmp_path / 'reference')
+  logdir = tmp_path / 'resumed'
+  first = _RunAndKill(logdir, kill_after_step=6)
+  assert os.path.exists(logdir / train_loop.CHECKPOINT_DIR / 'checkpoint')
+  # The restart and the uninterrupted reference run, started together
+  # (each uses about a core).
+  reference, second = map(_Stdout, quiet_test.RunAll(
+      _StartRun(tmp_path / 'reference'), _StartRun(logdir)))
   want = _StepLosses(reference)
   assert sorted(want) == list(range(1, 21))
   assert 'Final: step=20' in reference
   params_txt = (tmp_path / 'reference' / 'params.txt').read_text()
   assert 'task.random_seed : 5' in params_txt
 
-  logdir = tmp_path / 'resumed'
-  first = _RunAndKill(logdir, kill_after_step=6)
-  assert os.path.exists(logdir / train_loop.CHECKPOINT_DIR / 'checkpoint')
-  second = _RunToCompletion(logdir)
   # The killed run's lock is taken over, saying whose it was.
   assert re.search(r'Took over the lock of \S+ left by pid \d+ on host ',
                    second), second
@@ -418,27 +426,29 @@ def test_unreadable_checkpoints_are_one_error_line(flags_reset, tmp_path,
 
 # ---- devices and start-up output ---------------------------------------------
 
-def _RunQuietly(*args):
-  return quiet_test.RunPython('-m', 'tfpipe.trainer', *args, timeout=180)
+def _StartQuietly(*args):
+  return quiet_test.Started('-m', 'tfpipe.trainer', *args, timeout=180)
 
 
 def test_startup_prints_no_tensorflow_noise_unless_verbosity_asks(tmp_path):
-  inspect = _RunQuietly('--mode=inspect_params')
+  # Four independent processes, started together (each uses about a core).
+  inspect, train, info, verbose = quiet_test.RunAll(
+      _StartQuietly('--mode=inspect_params'),
+      _StartQuietly(f'--logdir={tmp_path}', '--model=mlp.TinyMlp',
+                    '--max_steps=2', '--log_interval_steps=1',
+                    '--num_partitions=2', '--run_locally=cpu'),
+      _StartQuietly('--mode=inspect_params', '--verbosity=0'),
+      _StartQuietly('--mode=inspect_params', '--verbosity=1'))
   assert inspect.returncode == 0, inspect.stderr
   assert quiet_test.StartupLines(inspect.stdout + inspect.stderr) == []
   assert inspect.stderr == ''
   # The size comes from the cost models, so it is printed without building.
   assert inspect.stdout.splitlines()[-1] == '# trainable parameters: 70,160'
-  train = _RunQuietly(f'--logdir={tmp_path}', '--model=mlp.TinyMlp',
-                      '--max_steps=2', '--log_interval_steps=1',
-                      '--num_partitions=2', '--run_locally=cpu')
   assert train.returncode == 0, train.stderr
   assert quiet_test.StartupLines(train.stdout + train.stderr) == []
   assert train.stdout.startswith('Training mlp.TinyMlp in ')
   assert 'Final: step=2' in train.stdout
-  info = _RunQuietly('--mode=inspect_params', '--verbosity=0')
   assert quiet_test.StartupLines(info.stdout + info.stderr) == []
-  verbose = _RunQuietly('--mode=inspect_params', '--verbosity=1')
   assert verbose.returncode == 0, verbose.stderr
   assert quiet_test.StartupLines(verbose.stderr), verbose.stderr
 
