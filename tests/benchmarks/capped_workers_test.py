@@ -65,4 +65,9 @@ def test_each_worker_has_its_own_limit_and_memory():
   mib = 2**20
   assert 3 * mib <= out['peaks'][0] <= 8 * mib  # Within its own limit.
   assert out['peaks'][1] < mib
-  assert mib <= out['current'][0] < 2 * mib
+  # The kept 1 MiB, not the freed 2 MiB: the BFC allocator counts whole
+  # chunks, and it hands a request a free chunk of less than twice its size
+  # unsplit, so the kept tensor's chunk may be almost 2 MiB (2 MiB - 256
+  # bytes, plus a live 256-byte scalar, was measured); the freed 2 MiB on
+  # top of it would be 3 MiB or more.
+  assert mib <= out['current'][0] < 3 * mib
