@@ -41,11 +41,6 @@ try:
     tf.reduce_sum(tf.ones([512, 1024])).numpy()  # 2 MiB, freed.
   with tf.device(workers.devices[1]):
     after = float(tf.reduce_sum(tf.ones([256, 256])))
-  import time
-  deadline = time.monotonic() + 30  # A remote tensor is freed
-  while (workers.Current()[0] >= 2 * 2**20 and  # asynchronously.
-         time.monotonic() < deadline):
-    time.sleep(0.05)
   out['peaks'] = workers.Peaks()
   out['current'] = workers.Current()
   out['after'] = after
@@ -74,6 +69,11 @@ def test_each_worker_has_its_own_limit_and_memory():
   mib = 2**20
   assert 3 * mib <= out['peaks'][0] <= 8 * mib  # Within its own limit.
   assert out['peaks'][1] < mib
-  assert mib <= out['current'][0] < 2 * mib
+  # The kept 1 MiB, not the freed 2 MiB: the BFC allocator counts whole
+  # chunks, and it hands a request a free chunk of less than twice its size
+  # unsplit, so the kept tensor's chunk may be almost 2 MiB (2 MiB - 256
+  # bytes, plus a live 256-byte scalar, was measured); the freed 2 MiB on
+  # top of it would be 3 MiB or more.
+  assert mib <= out['current'][0] < 3 * mib
   assert out['refusals'] == [
       [], [['/job:worker/replica:0/task:1/device:CPU:0', '1024,3072']]]

@@ -12,11 +12,11 @@ devices are never queried; the peak is reset every interval.
 import glob
 import os
 import re
-import subprocess
-import sys
 
+import pytest
 import tensorflow as tf
 
+from tests import quiet_test
 from tfpipe import memory_limit
 from tfpipe.trainer import device_memory
 
@@ -62,33 +62,45 @@ print(first, second)
 """
 
 
-def test_peak_resets_each_interval():
+def _BfcEnv():
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
   env[memory_limit.BFC_ENV] = 'true'
-  out = subprocess.run([sys.executable, '-c', _RESET_SCRIPT],
-                       capture_output=True, text=True, timeout=120, env=env,
-                       check=False)
+  return env
+
+
+@pytest.fixture(name='runs', scope='module')
+def fixture_runs(tmp_path_factory):
+  """The two BFC processes the tests below check, started together (each
+  uses about a core): {name: (started, logdir)}."""
+  logdir = tmp_path_factory.mktemp('bfc_run')
+  runs = {
+      'reset': (quiet_test.Started('-c', _RESET_SCRIPT, timeout=120,
+                                   env=_BfcEnv()), None),
+      'train': (quiet_test.Started(
+          '-m', 'tfpipe.trainer', f'--logdir={logdir}',
+          '--model=mlp.TinyMlp', '--max_steps=2', '--log_interval_steps=1',
+          '--run_locally=cpu',
+          '--model_params_override=task.eval.num_batches: 1',
+          timeout=180, env=_BfcEnv()), logdir),
+  }
+  yield runs
+  for started, _ in runs.values():
+    started.Kill()
+
+
+def test_peak_resets_each_interval(runs):
+  out = runs['reset'][0].Result()
   assert out.returncode == 0, out.stderr
   first, second = map(int, out.stdout.split())
   assert first >= 16 * 2**20  # Two live 8 MiB tensors (ones and the product).
   assert 2**20 <= second < 8 * 2**20
 
 
-def _TrainWithBfc(logdir):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
-  env[memory_limit.BFC_ENV] = 'true'
-  out = subprocess.run(
-      [sys.executable, '-m', 'tfpipe.trainer', f'--logdir={logdir}',
-       '--model=mlp.TinyMlp', '--max_steps=2', '--log_interval_steps=1',
-       '--run_locally=cpu', '--model_params_override=task.eval.num_batches: 1'],
-      capture_output=True, text=True, timeout=180, env=env, check=False)
+def test_bfc_cpu_run_reports_its_peak_in_lines_and_tensorboard(runs):
+  started, logdir = runs['train']
+  out = started.Result()
   assert out.returncode == 0, out.stdout + out.stderr
-  return out.stdout
-
-
-def test_bfc_cpu_run_reports_its_peak_in_lines_and_tensorboard(tmp_path):
-  lines = [l for l in _TrainWithBfc(tmp_path).splitlines()
-           if l.startswith('step ')]
+  lines = [l for l in out.stdout.splitlines() if l.startswith('step ')]
   assert len(lines) == 2
   printed = {}
   for line in lines:
@@ -98,7 +110,7 @@ def test_bfc_cpu_run_reports_its_peak_in_lines_and_tensorboard(tmp_path):
     printed[int(line.split()[1].split('/')[0])] = (
         float(m.group(1)) * (2**10 if m.group(2) == 'KiB' else 2**20))
   written = {}
-  for path in glob.glob(str(tmp_path / 'train' / 'events.*')):
+  for path in glob.glob(str(logdir / 'train' / 'events.*')):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
         if value.tag == 'memory/peak_bytes/CPU':
