@@ -41,7 +41,8 @@ def main(argv):
   os.chdir(root)
   if root not in sys.path:
     sys.path.insert(0, root)
-  args = [argv[1], '-p', 'no:cacheprovider', '--rootdir', root]
+  # One file per Bazel test: no pytest-xdist workers (setup.cfg asks for them).
+  args = [argv[1], '-p', 'no:cacheprovider', '--rootdir', root, '-n', '0']
   if os.path.exists(os.path.join(root, 'setup.cfg')):
     args += ['-c', os.path.join(root, 'setup.cfg')]
   # Bazel collects JUnit XML from here when it is set.

@@ -471,4 +471,9 @@ def test_batch_norm_checkpoint_resumes_under_another_k(tmp_path):
   lines, _ = _Train(tmp_path / 'recut', Conv(1, 3))
   assert any('task.pipeline.num_partitions 2 -> 1' in l for l in lines)
   want = _Losses(reference)
-  assert _Losses(lines) == {2: want[2], 3: want[3]}
+  got = _Losses(lines)
+  assert sorted(got) == [2, 3]
+  # K=1 sums the batch in another order than K=2: equal to float rounding
+  # (a statistic that failed to restore moves the loss by far more).
+  np.testing.assert_allclose([float(got[s]) for s in (2, 3)],
+                             [float(want[s]) for s in (2, 3)], rtol=2e-6)
