@@ -99,8 +99,8 @@ print('RESULT' + json.dumps([Peak('gpipe', 1, 512), Peak('1f1b', 8, 4096)]))
 
 def test_one_cell_1f1b_keeps_one_micro_batch_at_a_time():
   """K=1, M=8: each 1F1B action is a fused F+B+W; its peak stays that of
-  one micro-batch trained alone, not of several at once (each more adds
-  about 60%)."""
+  one micro-batch trained alone, not of several at once (a second one
+  adds about half)."""
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top

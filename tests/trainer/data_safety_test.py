@@ -474,6 +474,6 @@ def test_batch_norm_checkpoint_resumes_under_another_k(tmp_path):
   got = _Losses(lines)
   assert sorted(got) == [2, 3]
   # K=1 sums the batch in another order than K=2: equal to float rounding
-  # (a statistic that failed to restore moves the loss by far more).
+  # (a variable that failed to restore moves the loss by far more).
   np.testing.assert_allclose([float(got[s]) for s in (2, 3)],
                              [float(want[s]) for s in (2, 3)], rtol=2e-6)
