@@ -31,20 +31,15 @@ memory.PerDeviceMain(bench_lib.SplitCpu(2), device_type='CPU')
 def fixture_runs(tmp_path_factory):
   """The three runs the tests check, started together: {name: (run, json)}."""
   tmp = tmp_path_factory.mktemp('memory')
-  runs = {
-      'cpu': (script_runner.Start('benchmarks.memory', *_TINY,
-                                  f'--output_json={tmp / "cpu.json"}'),
-              tmp / 'cpu.json'),
+  yield from script_runner.KillAfter({
+      'cpu': script_runner.StartWritingJson('benchmarks.memory',
+                                            tmp / 'cpu.json', *_TINY),
       'per_device': (quiet_test.Started(
           '-c', _PER_DEVICE, *_TINY,
           f'--output_json={tmp / "per_device.json"}', timeout=240),
                      tmp / 'per_device.json'),
       'gpu': (script_runner.StartGpuMode('benchmarks.memory', *_TINY), None),
-  }
-  yield runs
-  for run, _ in runs.values():
-    if run is not None:
-      run.Kill()
+  })
 
 
 def test_cpu_table_compares_each_configuration_with_the_formula(runs):

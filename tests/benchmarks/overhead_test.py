@@ -21,16 +21,11 @@ _TINY = ['--models=transformer', '--num_layers=2', '--num_cells=2',
 def fixture_runs(tmp_path_factory):
   """The tiny run and --device=gpu, started together: {name: (run, json)}."""
   tmp = tmp_path_factory.mktemp('overhead')
-  runs = {
-      'tiny': (script_runner.Start('benchmarks.overhead', *_TINY,
-                                   f'--output_json={tmp / "overhead.json"}'),
-               tmp / 'overhead.json'),
+  yield from script_runner.KillAfter({
+      'tiny': script_runner.StartWritingJson('benchmarks.overhead',
+                                             tmp / 'overhead.json', *_TINY),
       'gpu': (script_runner.StartGpuMode('benchmarks.overhead', *_TINY), None),
-  }
-  yield runs
-  for run, _ in runs.values():
-    if run is not None:
-      run.Kill()
+  })
 
 
 def test_tiny_run_times_every_configuration_quietly(runs):

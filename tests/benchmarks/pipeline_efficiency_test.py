@@ -20,13 +20,10 @@ _MODES = ['threads', 'grpc_graph', 'grpc_threads']
 def fixture_runs(tmp_path_factory):
   """A tiny run of each mode, started together: {mode: (run, json)}."""
   tmp = tmp_path_factory.mktemp('pipeline_efficiency')
-  runs = {mode: (script_runner.Start(
-      'benchmarks.pipeline_efficiency', f'--mode={mode}', *_TINY,
-      f'--output_json={tmp / f"{mode}.json"}', timeout=300),
-                 tmp / f'{mode}.json') for mode in _MODES}
-  yield runs
-  for run, _ in runs.values():
-    run.Kill()
+  yield from script_runner.KillAfter({
+      mode: script_runner.StartWritingJson(
+          'benchmarks.pipeline_efficiency', tmp / f'{mode}.json',
+          f'--mode={mode}', *_TINY, timeout=300) for mode in _MODES})
 
 
 @pytest.mark.parametrize('mode', _MODES)

@@ -16,16 +16,12 @@ def fixture_runs(tmp_path_factory):
   """The tiny run and one with an unknown schedule, started together:
   {name: (run, json)}."""
   tmp = tmp_path_factory.mktemp('schedules')
-  runs = {
-      'tiny': (script_runner.Start('benchmarks.schedules', *_TINY,
-                                   f'--output_json={tmp / "schedules.json"}'),
-               tmp / 'schedules.json'),
+  yield from script_runner.KillAfter({
+      'tiny': script_runner.StartWritingJson('benchmarks.schedules',
+                                             tmp / 'schedules.json', *_TINY),
       'unknown': (script_runner.Start('benchmarks.schedules', *_TINY,
                                       '--schedules=gpipe,zigzag'), None),
-  }
-  yield runs
-  for run, _ in runs.values():
-    run.Kill()
+  })
 
 
 def test_every_schedule_is_timed_recorded_and_compared(runs):

@@ -19,6 +19,23 @@ def Start(module, *args, timeout=240):
   return quiet_test.Started('-m', module, *args, timeout=timeout)
 
 
+def StartWritingJson(module, path, *args, timeout=240):
+  """(run, path): `python -m module args --output_json=path` started."""
+  return Start(module, *args, f'--output_json={path}', timeout=timeout), path
+
+
+def KillAfter(runs):
+  """A module fixture's body (`yield from`): yields `runs`, {name: (run or
+  None, json path or None)}, then kills the runs still going (those whose
+  tests failed or were deselected)."""
+  try:
+    yield runs
+  finally:
+    for run, _ in runs.values():
+      if run is not None:
+        run.Kill()
+
+
 def Finished(started, expect_ok=True):
   """The started run's result; by default checked as Run checks it."""
   proc = started.Result()

@@ -20,16 +20,11 @@ _TINY = ['--num_layers=2', '--num_cells=2', '--batch=8', '--seq=4',
 def fixture_runs(tmp_path_factory):
   """The tiny run and --device=gpu, started together: {name: (run, json)}."""
   tmp = tmp_path_factory.mktemp('timeline')
-  runs = {
-      'tiny': (script_runner.Start('benchmarks.timeline', *_TINY,
-                                   f'--output_json={tmp / "timeline.json"}'),
-               tmp / 'timeline.json'),
+  yield from script_runner.KillAfter({
+      'tiny': script_runner.StartWritingJson('benchmarks.timeline',
+                                             tmp / 'timeline.json', *_TINY),
       'gpu': (script_runner.StartGpuMode('benchmarks.timeline', *_TINY), None),
-  }
-  yield runs
-  for run, _ in runs.values():
-    if run is not None:
-      run.Kill()
+  })
 
 
 def test_tiny_recorded_step_has_every_action(runs):
