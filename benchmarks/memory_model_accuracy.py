@@ -23,6 +23,17 @@ The grid: a Transformer LM, AmoebaNet-D and an MLP; K in {1, 2, 4}; M in
 
     python -m benchmarks.memory_model_accuracy --output_json=/tmp/bench/memory_model_accuracy.json
 
+With --device=gpu the devices are logical GPUs of this process's GPU, each
+with its own allocator and a hard limit (--logical_gpu_memory_mb; default:
+the GPU shared evenly among max(--num_cells)). The cells are profiled on the
+first of them, so the profile counts what the GPU's kernels and libraries
+take, and each configuration's step runs in this process on the first K,
+with the batch on the CPU as a controller's is; each device's peak is read
+from its own allocator (what the step adds over what was resident before
+the task was built).
+
+    python -m benchmarks.memory_model_accuracy --device=gpu --output_json=/tmp/bench/memory_model_accuracy_gpu.json
+
 The engine decides what a forward keeps; this benchmark is the check to
 re-run after changing it (nothing in the model is fitted to it).
 """
@@ -60,6 +71,12 @@ flags.DEFINE_string('predict_from', None, 'A JSON this benchmark wrote: '
                     'stored profiles with the current memory model, '
                     'without measuring (the measurements do not depend on '
                     'the model).')
+flags.DEFINE_enum('device', 'cpu', ['cpu', 'gpu'], 'cpu: capped worker '
+                  'processes, one per device; gpu: logical GPUs of this '
+                  'process\'s GPU, each with its own allocator.')
+flags.DEFINE_integer('logical_gpu_memory_mb', None, 'With --device=gpu: the '
+                     'memory of each logical GPU, MiB (default: the GPU\'s '
+                     'memory, less a reserve, shared evenly).', lower_bound=1)
 flags.DEFINE_bool('reprofile', False, 'With --predict_from: profile the '
                   'cells again with the current profiler instead of using '
                   'the stored profiles.')
@@ -107,6 +124,67 @@ def _Measure(p, workers, batch, num_cells):
   return peaks
 
 
+def _MeasureInProcess(p, devices, batch):
+  """Each device's peak over the measured steps, above what it held before
+  the task was built, with the step running in this process."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
+  gc.collect()
+  names = [memory_profile.AllocatorName(d) for d in devices]
+  before = [tf.config.experimental.get_memory_info(n)['current']
+            for n in names]
+  p = p.Copy()
+  p.task.pipeline.devices = list(devices)
+  task = p.task.Instantiate()
+  with tf.device('/CPU:0'):
+    inputs, targets = tf.nest.map_structure(tf.convert_to_tensor, batch)
+  float(task.TrainStep((inputs, targets))['loss'])
+  for n in names:
+    tf.config.experimental.reset_memory_stats(n)
+  for _ in range(FLAGS.measured_steps):
+    float(task.TrainStep((inputs, targets))['loss'])
+  peaks = [tf.config.experimental.get_memory_info(n)['peak'] - b
+           for n, b in zip(names, before)]
+  del task
+  gc.collect()
+  return peaks
+
+
+def RunModelInProcess(model, devices, rows, log):
+  """RunModel on devices of this process (logical GPUs): each K's cells
+  profiled once on devices[0], each configuration's step on devices[:K]."""
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  example, sizes = _ExampleAndSizes(model)
+  profiles = {}
+  for p in _Configurations(model):
+    k = p.task.pipeline.num_partitions
+    if k not in profiles:
+      start = time.time()
+      profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
+          p, micro_batch_sizes=sizes, example=example, device=devices[0]))
+      log(f'{model} K={k}: profiled its cells on {devices[0]} at '
+          f'micro-batch sizes {sizes} in {time.time() - start:.0f}s')
+    start = time.time()
+    measured = _MeasureInProcess(p, devices[:k], example)
+    _AddRow(model, p, measured, time.time() - start, profiles[k], example,
+            rows, log)
+  return {str(k): [c.ToDict() for c in cells]
+          for k, cells in profiles.items()}
+
+
+def _ExampleAndSizes(model):
+  """The model's example batch, and the micro-batch sizes its cells are
+  profiled at: the grid's smallest and largest (the planner's way)."""
+  from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  base = ExperimentParams(model)
+  batch = memory_report.ReplicaBatchSize(base)
+  micro = [int(m) for m in FLAGS.micro_batches]
+  return memory_report.ExampleBatch(base), sorted(
+      {min(memory_model.MicroBatchSizes(batch, m))
+       for m in (max(micro), min(micro))})
+
+
 def _Configurations(model):
   base = ExperimentParams(model)
   for k in [int(k) for k in FLAGS.num_cells]:
@@ -125,14 +203,7 @@ def RunModel(model, rows, log, save=None):
   higher (TensorFlow's runtime keeps some of each), which a real run, one
   configuration per worker, never sees. The next configuration's workers
   start while one is measured."""
-  from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
-  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
-  base = ExperimentParams(model)
-  example = memory_report.ExampleBatch(base)
-  batch = memory_report.ReplicaBatchSize(base)
-  micro = [int(m) for m in FLAGS.micro_batches]
-  sizes = sorted({min(memory_model.MicroBatchSizes(batch, m))
-                  for m in (max(micro), min(micro))})
+  example, sizes = _ExampleAndSizes(model)
   profiles = {}
   configurations = list(_Configurations(model))
   pending = None
@@ -175,16 +246,22 @@ def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
     measured = _Measure(p, workers, example, k)
   finally:
     workers.Close()
+  _AddRow(model, p, measured, time.time() - start, profiles[k], example,
+          rows, log)
+  return pending
+
+
+def _AddRow(model, p, measured, seconds, profiles, example, rows, log):
+  """Appends (and logs) one configuration's row: measured and predicted."""
   pp = p.task.pipeline
-  row = {'model': model, 'num_cells': k,
+  row = {'model': model, 'num_cells': pp.num_partitions,
          'num_micro_batches': pp.num_micro_batches,
          'schedule': pp.schedule, 'remat_policy': pp.remat_policy,
          'measured_mib': [round(v / MIB, 2) for v in measured],
-         'seconds': round(time.time() - start, 1)}
-  _Predict(row, p, profiles[k], example)
+         'seconds': round(seconds, 1)}
+  _Predict(row, p, profiles, example)
   rows.append(row)
   log(_FormatRow(row))
-  return pending
 
 
 def _Predict(row, p, profiles, example):
@@ -264,13 +341,17 @@ def _Write(bench_lib, rows, profiles):
       'models': {m: list(MODELS[m]) for m in FLAGS.models},
       'flags': {name: FLAGS[name].value for name in (
           'models', 'num_cells', 'micro_batches', 'remat_policies',
-          'schedules', 'measured_steps', 'tolerance')}})
+          'schedules', 'measured_steps', 'tolerance', 'device')}})
 
 
 def main(argv):
   del argv
-  network_namespace.EnterLoopbackNamespace('benchmarks.memory_model_accuracy',
-                                           sys.argv)
+  if FLAGS.device == 'cpu':
+    if FLAGS.logical_gpu_memory_mb is not None:
+      raise app.UsageError('--logical_gpu_memory_mb sets the memory of '
+                           'logical GPUs; it needs --device=gpu.')
+    network_namespace.EnterLoopbackNamespace(
+        'benchmarks.memory_model_accuracy', sys.argv)
   watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (
       print('watchdog: run too long; stopping.', flush=True),
       os._exit(3)))  # pylint: disable=protected-access
@@ -280,6 +361,11 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
   bench_lib.tf.get_logger().setLevel('ERROR')
+  devices = None
+  if FLAGS.device == 'gpu' and not FLAGS.predict_from:
+    _, devices = bench_lib.LocalDevices(
+        max(int(k) for k in FLAGS.num_cells), 'gpu',
+        FLAGS.logical_gpu_memory_mb)
   start = time.time()
   rows = []
   profiles = {}
@@ -292,6 +378,10 @@ def main(argv):
     rows, profiles = PredictAgain(FLAGS.predict_from, log)
   else:
     for model in FLAGS.models:
+      if devices:
+        profiles[model] = RunModelInProcess(model, devices, rows, log)
+        _Write(bench_lib, rows, profiles)
+        continue
       profiles[model] = RunModel(model, rows, log, lambda done, m=model: _Write(
           bench_lib, rows, dict(profiles, **{m: done})))
   within = [r for r in rows if abs(r['worst_error']) <= FLAGS.tolerance]

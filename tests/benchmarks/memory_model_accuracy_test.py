@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+from tests import quiet_test
 from tests.benchmarks import script_runner
 
 
@@ -27,3 +28,48 @@ def test_one_configuration_is_measured_and_predicted(tmp_path):
   assert len(row['measured_mib']) == len(row['predicted_mib']) == 2
   assert min(row['measured_mib']) > 0
   assert abs(row['worst_error']) < 0.3, row
+
+
+_IN_PROCESS = r'''
+import json, os, sys
+os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
+from absl import flags
+from benchmarks import bench_lib
+from benchmarks import memory_model_accuracy as accuracy
+flags.FLAGS(['accuracy', '--models=mlp', '--num_cells=2',
+             '--micro_batches=2', '--remat_policies=always',
+             '--schedules=1f1b', '--measured_steps=1'])
+rows = []
+profiles = accuracy.RunModelInProcess('mlp', bench_lib.SplitCpu(2), rows,
+                                      lambda line: None)
+print(json.dumps({'rows': rows, 'profiles': profiles}))
+'''
+
+
+def test_in_process_path_profiles_on_the_first_device_and_reads_each():
+  """--device=gpu's path (profile on devices[0], the step on devices[:K],
+  each device's allocator read), run on two logical CPU devices: they share
+  one allocator, so only the path and the row's shape are checked here."""
+  proc = quiet_test.RunPython('-c', _IN_PROCESS, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  [row] = result['rows']
+  assert (row['num_cells'], row['num_micro_batches']) == (2, 2)
+  assert len(row['measured_mib']) == len(row['predicted_mib']) == 2
+  assert min(row['measured_mib']) > 0 and min(row['predicted_mib']) > 0
+  assert list(result['profiles']) == ['2']
+
+
+def test_logical_gpu_memory_needs_the_gpu_device():
+  proc = script_runner.Run('benchmarks.memory_model_accuracy',
+                           '--logical_gpu_memory_mb=100', expect_ok=False,
+                           timeout=120)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert '--logical_gpu_memory_mb' in proc.stderr
+  assert '--device=gpu' in proc.stderr
+  assert 'Traceback' not in proc.stderr
+
+
+def test_gpu_device_is_refused_without_a_gpu():
+  script_runner.AssertGpuModeRefused('benchmarks.memory_model_accuracy',
+                                     '--models=mlp', '--num_cells=2')

@@ -87,6 +87,16 @@ def test_profiling_needs_the_counting_allocator(monkeypatch):
   monkeypatch.delenv('TF_CPU_ALLOCATOR_USE_BFC', raising=False)
   with pytest.raises(RuntimeError, match='TF_CPU_ALLOCATOR_USE_BFC=true'):
     memory_profile.CheckAllocatorCounts()
+  # A GPU's allocator counts bytes whatever the CPU's does.
+  memory_profile.CheckAllocatorCounts('/job:localhost/replica:0/task:0/'
+                                      'device:GPU:1')
+
+
+def test_a_device_is_read_through_its_own_allocator():
+  assert memory_profile.AllocatorName(None) == 'CPU:0'
+  assert memory_profile.AllocatorName('/device:GPU:3') == 'GPU:3'
+  assert memory_profile.AllocatorName(
+      '/job:localhost/replica:0/task:0/device:GPU:1') == 'GPU:1'
 
 
 def _ProbeExecutors():

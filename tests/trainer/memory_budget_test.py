@@ -3,7 +3,9 @@
 Protected properties: the role is read without TensorFlow (a controller
 watches nothing, a worker and a single process lower the log level to see
 TensorFlow's out-of-memory warnings); --plan=auto asks for a budget and a
-device count, naming the flags; the limit quoted by an out-of-memory error
+device count, naming the flags; inspect_model profiles the cells on the
+pipeline's first device when it is a GPU of this process (its kernels'
+memory is not a CPU's), and on a CPU otherwise; the limit quoted by an out-of-memory error
 is the capped process's own, shared by its logical devices; a single
 process that crashes right after its allocator refused memory (as some
 TensorFlow kernels crash) still says, in one line, that it ran out of
@@ -37,6 +39,17 @@ def parsed_flags(monkeypatch):
   monkeypatch.delenv('TF_CONFIG', raising=False)
   monkeypatch.delenv(out_of_memory.LOG_LEVEL_ENV, raising=False)
   yield
+
+
+def test_cells_are_profiled_on_a_local_gpu_and_never_on_a_remote_one():
+  # pylint: disable=protected-access
+  local = '/job:localhost/replica:0/task:0/device:GPU:0'
+  assert memory_budget._ProfileDevice([local, local[:-1] + '1']) == local
+  assert memory_budget._ProfileDevice(['/device:GPU:2']) == '/device:GPU:2'
+  assert memory_budget._ProfileDevice(
+      ['/job:worker/replica:0/task:1/device:GPU:0']) is None
+  assert memory_budget._ProfileDevice(['/device:CPU:0']) is None
+  assert memory_budget._ProfileDevice([]) is None
 
 
 @flagsaver.flagsaver(job='controller')

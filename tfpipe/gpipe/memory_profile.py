@@ -53,7 +53,6 @@ import numpy as np
 
 from tfpipe.gpipe import memory_model
 
-_ALLOCATOR = 'CPU:0'
 # TensorFlow reads it when it starts: the intra-op threads of the process.
 INTRA_OP_ENV = 'TF_NUM_INTRAOP_THREADS'
 # Steps per configuration: the first traces; the others are recorded. The
@@ -75,10 +74,25 @@ def LocalCpu():
     return tf.constant(0).device
 
 
-def CheckAllocatorCounts():
-  """Raises RuntimeError unless this process's CPU allocator counts bytes."""
+def DeviceSpec(device):
+  """The tf.DeviceSpec of a device name."""
+  return _Tf().DeviceSpec.from_string(device)
+
+
+def AllocatorName(device=None):
+  """The name get_memory_info takes for a device ('GPU:1'); this process's
+  CPU's for None."""
+  if device is None:
+    return 'CPU:0'
+  spec = DeviceSpec(device)
+  return f'{spec.device_type}:{spec.device_index or 0}'
+
+
+def CheckAllocatorCounts(device=None):
+  """Raises RuntimeError unless the device's allocator counts bytes (a
+  GPU's always does; this process's CPU's only with the BFC allocator)."""
   from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
-  if not memory_limit.UsesBfc():
+  if AllocatorName(device).startswith('CPU') and not memory_limit.UsesBfc():
     raise RuntimeError(
         'Profiling memory needs TensorFlow\'s BFC allocator on the CPU: set '
         f'{memory_limit.BFC_ENV}=true before TensorFlow starts, or use '
@@ -133,15 +147,17 @@ class MemoryRecordingDispatcher:
 
   name = 'memory_recording'
 
-  def __init__(self):
+  def __init__(self, allocator='CPU:0'):
     from tfpipe.gpipe import dispatch  # pylint: disable=g-import-not-at-top
     self._inline = dispatch.Inline()
+    self.allocator = allocator
     self.last_tokens = []
     self.records = []
 
   def Run(self, program, step, record_times=False):
     tf = _Tf()
     records = self.records
+    allocator = self.allocator
 
     class _Measured:
       """The step, each Execute read around."""
@@ -150,12 +166,12 @@ class MemoryRecordingDispatcher:
         return step.Gather(item, store)
 
       def Execute(self, item, args, store):
-        tf.config.experimental.reset_memory_stats(_ALLOCATOR)
-        before = tf.config.experimental.get_memory_info(_ALLOCATOR)['current']
+        tf.config.experimental.reset_memory_stats(allocator)
+        before = tf.config.experimental.get_memory_info(allocator)['current']
         start = time.perf_counter()
         done = step.Execute(item, args, store)
         seconds = time.perf_counter() - start
-        info = tf.config.experimental.get_memory_info(_ALLOCATOR)
+        info = tf.config.experimental.get_memory_info(allocator)
         records.append(ActionRecord(item[1], before, info['peak'],
                                     info['current'], seconds))
         return done
@@ -205,7 +221,7 @@ def _Worst(steps, kind, micro_batch):
 
 def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
                 is_last, optimizer_params, clip_gradient_norm=1.0,
-                single_threaded_calls=False):
+                single_threaded_calls=False, device=None):
   """The CellMemory of one cell at one micro-batch size.
 
   Args:
@@ -219,11 +235,14 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
     clip_gradient_norm: the task's clipping, part of the update.
     single_threaded_calls: run each action as a call on the single-threaded
       executor, as a worker's CPU does (ProfileRequest).
+    device: where the cell runs and whose allocator is read (default: this
+      process's CPU).
 
   Returns:
     A memory_model.CellMemory.
   """
-  CheckAllocatorCounts()
+  CheckAllocatorCounts(device)
+  allocator = AllocatorName(device)
   tf = _Tf()
   from tfpipe.gpipe import pipelining_layer  # pylint: disable=g-import-not-at-top
   n = int(micro_batch_size)
@@ -238,12 +257,12 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
   for mode in (memory_model.REMAT, memory_model.NO_REMAT):
     pipe = pipelining_layer.PipeliningLayer.Params().Set(
         name='profile', cell_tpl=[cell_params.Copy()], num_micro_batches=2,
-        devices=[LocalCpu()], executor='threads', schedule='gpipe',
+        devices=[device or LocalCpu()], executor='threads', schedule='gpipe',
         remat_policy=mode).Instantiate()
     if single_threaded_calls:
       for cell in pipe.runtime.cells[0]:
         cell.single_threaded_calls = True
-    recorder = MemoryRecordingDispatcher()
+    recorder = MemoryRecordingDispatcher(allocator)
     pipe.SetThreadsDispatcher(recorder)
     steps = []
     for i in range(_RECORDED_STEPS + 1):
@@ -280,12 +299,13 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
           _Bytes(v) for v in pipe.cells[0].non_trainable_variables)
       (result.optimizer_bytes, result.update_peak,
        result.update_s) = _ProfileUpdate(variables, optimizer_params,
-                                         clip_gradient_norm)
+                                         clip_gradient_norm, device)
     del pipe, recorder
   return result
 
 
-def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm):
+def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm,
+                   device=None):
   """(slot bytes, update working set, seconds) of the task's optimizer.
 
   The update is the trainer's: global-norm clipping, then the optimizer's
@@ -296,13 +316,15 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm):
   from tfpipe.trainer import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   if not variables:
     return 0, 0, 0.0
+  allocator = AllocatorName(device)
   optimizer = optimizer_lib.BuildOptimizer(optimizer_params, 1e-3)
   optimizer.build(variables)
   # Its own counters (iterations, learning rate) live with the controller.
   slots = sum(_LeafBytes(v) for v in optimizer.variables
               if v is not optimizer.iterations and
               'learning_rate' not in v.name)
-  gradients = [tf.ones(v.shape, v.dtype) * 1e-3 for v in variables]
+  with tf.device(device or LocalCpu()):
+    gradients = [tf.ones(v.shape, v.dtype) * 1e-3 for v in variables]
 
   @tf.function
   def Update(grads):
@@ -312,13 +334,13 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm):
   Update(gradients)
   peak, seconds = 0, float('inf')
   for _ in range(_RECORDED_STEPS):
-    tf.config.experimental.reset_memory_stats(_ALLOCATOR)
-    before = tf.config.experimental.get_memory_info(_ALLOCATOR)['current']
+    tf.config.experimental.reset_memory_stats(allocator)
+    before = tf.config.experimental.get_memory_info(allocator)['current']
     start = time.perf_counter()
     bool(Update(gradients))
     seconds = min(seconds, time.perf_counter() - start)
     peak = max(peak, tf.config.experimental.get_memory_info(
-        _ALLOCATOR)['peak'] - before)
+        allocator)['peak'] - before)
   del optimizer
   return slots, max(0, peak), seconds
 
@@ -353,6 +375,11 @@ class ProfileRequest:
     single_threaded_calls: whether the devices run each action as a call on
       TensorFlow's single-threaded executor, as a worker process's CPU does
       (cell_runtime.OnWorkerCpu); the profile's actions then do too.
+    device: the device the cells are profiled on, whose allocator is read;
+      None: the profiling process's CPU. A GPU's own allocator counts what
+      its kernels and libraries take, which a CPU profile cannot see, so a
+      pipeline of GPUs is profiled on one of them (ProfileCells runs in the
+      process that holds it).
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -372,6 +399,7 @@ class ProfileRequest:
     self.input_params = None
     self.intra_op_threads = 0
     self.single_threaded_calls = False
+    self.device = None
 
   def Select(self, indices):
     """Keeps only the cells at these pipeline positions."""
@@ -383,10 +411,10 @@ class ProfileRequest:
 def ProfileCells(request, log=None):
   """A memory_model.CellProfile per cell of the request; equal cells once.
 
-  Must run in a process whose CPU allocator counts bytes
+  Must run in a process whose allocator for request.device counts bytes
   (CheckAllocatorCounts).
   """
-  CheckAllocatorCounts()
+  CheckAllocatorCounts(request.device)
   if request.inputs is None and request.input_params is not None:
     tf = _Tf()
     dataset = request.input_params.Instantiate().GetDataset(0)
@@ -406,7 +434,7 @@ def ProfileCells(request, log=None):
         measurements.append(ProfileCell(
             cell, inputs, request.targets, request.loss_fn, n, k == last,
             request.optimizer_params, request.clip_gradient_norm,
-            request.single_threaded_calls))
+            request.single_threaded_calls, request.device))
       done[key] = memory_model.CellProfile(measurements)
       if log:
         log(f'profiled cell {k} ({cell.name}) at micro-batch sizes '

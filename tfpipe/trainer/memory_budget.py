@@ -138,6 +138,19 @@ def _SingleThreadedCalls(devices):
   return any(cell_runtime.OnWorkerCpu(d) for d in devices or [])
 
 
+def _ProfileDevice(devices):
+  """The device to profile the cells on: the first of the pipeline's if it
+  is a GPU of this process (a GPU's kernels and libraries take memory a CPU
+  profile cannot see), else None (a CPU, in a process that counts bytes)."""
+  from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
+  if not devices:
+    return None
+  spec = memory_profile.DeviceSpec(devices[0])
+  if spec.device_type == 'GPU' and spec.job in (None, 'localhost'):
+    return devices[0]
+  return None
+
+
 def PlanIfAsked(p, flag_values, log=print):
   """Applies --plan=auto to the params (before any device is set up).
 
@@ -175,7 +188,8 @@ def InspectLines(p, flag_values, devices):
   example = memory_report.ExampleBatch(p)
   profiles = memory_report.Profile(memory_report.ProfileRequest(
       p, example=example, intra_op_threads=_IntraOpThreads(flag_values),
-      single_threaded_calls=_SingleThreadedCalls(devices)))
+      single_threaded_calls=_SingleThreadedCalls(devices),
+      device=_ProfileDevice(devices)))
   peaks = memory_report.PredictPeaks(p, profiles, example)
   return memory_report.BudgetLines(p, peaks, budget, devices)
 

@@ -54,7 +54,8 @@ def StepMicroBatchSizes(p):
 
 
 def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
-                   intra_op_threads=0, single_threaded_calls=False):
+                   intra_op_threads=0, single_threaded_calls=False,
+                   device=None):
   """A memory_profile.ProfileRequest for the experiment's cells.
 
   Args:
@@ -68,6 +69,8 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
     single_threaded_calls: the devices are worker processes' CPUs, which run
       each action as a call on the single-threaded executor; the profile's
       actions then are too (memory_profile.ProfileRequest).
+    device: profile on this device (a GPU of this process) rather than on
+      a CPU (memory_profile.ProfileRequest.device).
   """
   model = p.task.model.Instantiate()
   if cells is None:
@@ -81,15 +84,18 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
     request.input_params = p.input
   request.intra_op_threads = intra_op_threads
   request.single_threaded_calls = single_threaded_calls
+  request.device = device
   return request
 
 
 def Profile(request, log=None):
   """The request's CellProfiles: in this process if its allocator counts
-  bytes, has no limit and runs the devices' threads (a benchmark's), else in
-  a subprocess that does."""
+  bytes, has no limit and runs the devices' threads (a benchmark's), or if
+  they are profiled on a device of this process (a GPU); else in a
+  subprocess that does."""
   threads = os.environ.get(memory_profile.INTRA_OP_ENV, '0')
-  if (memory_limit.UsesBfc() and memory_limit.LimitMb() is None and
+  if request.device is not None or (
+      memory_limit.UsesBfc() and memory_limit.LimitMb() is None and
       str(request.intra_op_threads or 0) == threads):
     return memory_profile.ProfileCells(request, log=log)
   return memory_profile.ProfileInSubprocess(request, log=log)
