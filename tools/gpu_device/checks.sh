@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# On the device machine, from the repository root, after install_tf.sh:
+#   bash .device-stage/install.d/checks.sh SECONDS [STEP...]
+# Runs the GPU checks (all, or the STEPs named) in this order, each under its
+# own limit and all within SECONDS; one log ($OUT/checks.log) and the
+# scripts' JSON/PNG in $OUT (at most 8 files come back). Limits are what the
+# H200 run of 2026-11-26 needed or more (benchmarks/RESULTS.md, section GPU).
+set -u
+END=$(( $(date +%s) + ${1:-480} )); shift
+WANT=" $* "
+. /tmp/site/env.sh
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+LOG=$OUT/checks.log
+step() {  # name limit command...
+  local name=$1 limit=$2; shift 2
+  [ "$WANT" = "  " ] || [[ "$WANT" == *" $name "* ]] || return 0
+  local left=$(( END - $(date +%s) ))
+  if [ $left -lt 25 ]; then echo "=== $name: NOT RUN (out of time)" | tee -a $LOG; return 99; fi
+  [ $limit -gt $left ] && limit=$left
+  echo "=== $name (limit ${limit}s): $*" | tee -a $LOG
+  local t0=$(date +%s)
+  timeout -k 5 $limit "$@" >> $LOG 2>&1; local rc=$?
+  echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a $LOG
+  return $rc
+}
+{ nvidia-smi -L; nproc; lscpu | grep -E 'Model name|^CPU\(s\)|L2|L3'; } >> $LOG 2>&1
+step readme 150 python3 -m tfpipe.trainer --model=lm.TinyTransformerLm --logdir=/tmp/tfpipe_lm
+# About 10 s per configuration on the H200 (tracing dominates).
+step mma_gpu 300 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=transformer_lm,mlp \
+  --num_cells=4 --remat_policies=always,never --output_json=$OUT/mma_gpu.json
+step oom_gpu 120 python3 -m tfpipe.trainer --model=lm.SmallTransformerLm --logdir=/tmp/oom --num_partitions=2 \
+  --num_micro_batches=1 --remat_policy=never --logical_gpu_memory_mb=40 --max_steps=2
+step inspect_gpu 60 python3 -m tfpipe.trainer --model=lm.SmallTransformerLm --mode=inspect_model --num_partitions=2 \
+  --num_micro_batches=1 --remat_policy=never --device_memory_mb=40
+step memory_gpu 300 python3 -m benchmarks.memory --device=gpu --output_json=$OUT/memory_gpu.json
+step eff_k4 100 env CUDA_VISIBLE_DEVICES= python3 -m benchmarks.pipeline_efficiency --mode=grpc_graph \
+  --dim=1024 --batch=2048 --num_cells=4 --micro_batches=1,8 --reps=3 --output_json=$OUT/eff_k4.json
+step eff_k8 100 env CUDA_VISIBLE_DEVICES= python3 -m benchmarks.pipeline_efficiency --mode=grpc_graph \
+  --dim=1024 --batch=2048 --num_cells=8 --micro_batches=1,8 --reps=3 --output_json=$OUT/eff_k8.json
+step timeline_gpu 90 python3 -m benchmarks.timeline --device=gpu --dim=1024 --seq=256 --batch=16 --num_cells=4 \
+  --output_png=$OUT/timeline_gpu.png
+step overhead_gpu 300 python3 -m benchmarks.overhead --device=gpu --models=transformer --dim=1024 --seq=256 \
+  --batch=16 --output_json=$OUT/overhead_gpu.json
+grep -E "^(ERROR|Final|Machine ceiling)|^\| |within" $LOG | tail -40
+echo "=== all done" | tee -a $LOG
