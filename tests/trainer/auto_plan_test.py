@@ -87,6 +87,25 @@ def test_the_plan_is_written_into_the_params():
               2, 2, [2, 3], 4, 'except_last', '1f1b')
 
 
-def test_layers_are_profiled_at_the_smallest_and_largest_micro_batch():
-  assert auto_plan.ProfiledSizes(64, 2) == [1, 64]
-  assert auto_plan.ProfiledSizes(4096, 2) == [32, 4096]
+def test_layers_are_profiled_at_every_halving_of_the_batch():
+  assert auto_plan.ProfiledSizes(64, 2) == [1, 2, 4, 8, 16, 32, 64]
+  assert auto_plan.ProfiledSizes(4096, 2) == [
+      32, 64, 128, 256, 512, 1024, 2048, 4096]
+  # The smallest size the planner considers, even between halvings.
+  assert auto_plan.ProfiledSizes(96, 2) == [1, 3, 6, 12, 24, 48, 96]
+  assert auto_plan.ProfiledSizes(1, 8) == [1]
+
+
+@pytest.mark.parametrize('batch_size', [64, 256, 4096])
+@pytest.mark.parametrize('count', [1, 2, 4, 8])
+def test_every_candidate_runs_at_a_profiled_size(batch_size, count):
+  """With a power-of-two batch and device count, no candidate's time or
+  memory is interpolated: a kernel that slows at one size is seen there."""
+  # pylint: disable=protected-access
+  from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
+  profiled = set(auto_plan.ProfiledSizes(batch_size, count))
+  devices = planner.Devices(count=count, memory_bytes=1.0)
+  for k, r, m, _, _ in planner._Candidates(
+      16, devices, batch_size, None, None, ['always'], ['gpipe']):
+    n = min(memory_model.MicroBatchSizes(batch_size // r, m))
+    assert n in profiled, (k, r, m, n)
