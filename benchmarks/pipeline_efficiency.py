@@ -58,6 +58,7 @@ import threading
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from tfpipe import cluster_spec
 from tfpipe import local_cluster
@@ -253,7 +254,11 @@ def main(argv):
   if FLAGS.mode != 'threads':
     network_namespace.EnterLoopbackNamespace('benchmarks.pipeline_efficiency',
                                              sys.argv)
-  quiet.ImportTensorFlow()  # Its C++ start-up log only with --verbosity=1.
+  tf = quiet.ImportTensorFlow()  # Its C++ start-up log only with --verbosity=1.
+  # Its Python logs: the remote session's config (absl), retracing notices
+  # (each configuration traces its own step on purpose).
+  logging.set_verbosity(logging.WARNING)
+  tf.get_logger().setLevel('ERROR')
   watchdog = Watchdog()
   try:
     if FLAGS.mode == 'threads':
@@ -261,8 +266,10 @@ def main(argv):
     else:
       jobs = StartWorkers(FLAGS.num_cells)
       samples, tl = _MeasureGrpc(jobs, FLAGS.mode[len('grpc_'):])
-  finally:
+  except BaseException:
     CHILDREN.Close()
+    raise
+  finally:
     watchdog.cancel()
   # pylint: disable=g-import-not-at-top
   from benchmarks import bench_lib
@@ -347,6 +354,15 @@ def main(argv):
   bench_lib.WriteJson(FLAGS.output_json, {
       'benchmark': 'pipeline_efficiency', 'flags': FLAGS.flag_values_dict(),
       'results': results, 'samples_s': samples, 'timeline': tl.AsDict()})
+  if not threads:
+    # The workers stop with this process (local_cluster: the kernel kills
+    # them when it exits), and it exits without tearing down its remote
+    # context. Stopped first, they would leave the context's removal of
+    # its functions failing, one error line each.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # pylint: disable=protected-access
+  CHILDREN.Close()
 
 
 if __name__ == '__main__':
