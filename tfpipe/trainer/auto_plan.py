@@ -25,15 +25,17 @@ def ProfiledSizes(batch_size, num_devices, max_micro_batches=64):
   """The micro-batch sizes to profile the layers at: the batch halved
   until the smallest size the planner considers.
 
-  A plan's micro-batch size is the batch over R replicas and M micro-batches,
-  both powers of two when the batch and the device count are, so these are
-  the sizes the candidates run at; memory_model interpolates between them
-  for the others. Profiling only the two ends would draw a straight line
-  between them, blind to where a device's kernels lose speed: on one CPU a
-  256-row matmul ran at half the speed per row of a 384-row one, which made
-  M=8 slower than M=1 (benchmarks/RESULTS.md, issue 23). The profile costs
-  about twice as much as at the two ends: its compute is dominated by the
-  largest sizes, and each size adds one trace per distinct layer.
+  A plan's micro-batch size is the batch over R replicas and M micro-batches.
+  M is a power of two, and so is R = devices // K for every K when the
+  device count is a power of two up to 8; with a power-of-two batch these
+  are then exactly the sizes the candidates run at (memory_model
+  interpolates between them for any other). Profiling only the two ends
+  drew a straight line between them, blind to where a device's kernels lose
+  speed: on one CPU a 256-row matmul ran at half the speed per row of a
+  384-row one, and the planner ranked first the M that was measured slowest
+  (benchmarks/RESULTS.md, issue 23). Planning took 1.4-1.5x as long in the
+  two cases measured: the compute is dominated by the largest sizes, and
+  each size adds one trace per distinct layer.
   """
   smallest = max(1, batch_size // (num_devices * max_micro_batches))
   sizes, n = {smallest}, batch_size
