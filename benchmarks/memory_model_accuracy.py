@@ -150,9 +150,11 @@ def _MeasureInProcess(p, devices, batch):
   return peaks
 
 
-def RunModelInProcess(model, devices, rows, log):
+def RunModelInProcess(model, devices, rows, log, save=None):
   """RunModel on devices of this process (logical GPUs): each K's cells
-  profiled once on devices[0], each configuration's step on devices[:K]."""
+  profiled once on devices[0], each configuration's step on devices[:K].
+  `save` gets the profiles so far after each row (a run cut short by a
+  device lease keeps what it measured)."""
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   example, sizes = _ExampleAndSizes(model)
   profiles = {}
@@ -168,6 +170,9 @@ def RunModelInProcess(model, devices, rows, log):
     measured = _MeasureInProcess(p, devices[:k], example)
     _AddRow(model, p, measured, time.time() - start, profiles[k], example,
             rows, log)
+    if save:
+      save({str(k): [c.ToDict() for c in cells]
+            for k, cells in profiles.items()})
   return {str(k): [c.ToDict() for c in cells]
           for k, cells in profiles.items()}
 
@@ -378,12 +383,12 @@ def main(argv):
     rows, profiles = PredictAgain(FLAGS.predict_from, log)
   else:
     for model in FLAGS.models:
+      save = lambda done, m=model: _Write(bench_lib, rows,
+                                          dict(profiles, **{m: done}))
       if devices:
-        profiles[model] = RunModelInProcess(model, devices, rows, log)
-        _Write(bench_lib, rows, profiles)
-        continue
-      profiles[model] = RunModel(model, rows, log, lambda done, m=model: _Write(
-          bench_lib, rows, dict(profiles, **{m: done})))
+        profiles[model] = RunModelInProcess(model, devices, rows, log, save)
+      else:
+        profiles[model] = RunModel(model, rows, log, save)
   within = [r for r in rows if abs(r['worst_error']) <= FLAGS.tolerance]
   worst = max(rows, key=lambda r: abs(r['worst_error']))
   print(f'{len(within)} of {len(rows)} configurations within '
