@@ -8,7 +8,9 @@ the planner sees that one device cannot hold it and trains it on two, every
 device within its limit; the same model forced onto one device runs out of
 memory with a short error that names the worker, the cell and its layers,
 the limit and the prediction, and exits with EXIT_OUT_OF_MEMORY, leaving the
-plan's checkpoints as they were. The plan's pieces are also checked alone.
+plan's checkpoints as they were. The plan's pieces are also checked alone:
+the micro-batch sizes profiled, and the fallback to a CPU profile when the
+GPU's fails.
 """
 # bazel: deps=//params,//tfpipe:launcher,//tfpipe/trainer:__main__
 
@@ -109,3 +111,26 @@ def test_every_candidate_runs_at_a_profiled_size(batch_size, count):
       16, devices, batch_size, None, None, ['always'], ['gpipe']):
     n = min(memory_model.MicroBatchSizes(batch_size // r, m))
     assert n in profiled, (k, r, m, n)
+
+
+def test_a_failed_gpu_profile_falls_back_to_the_cpu_and_says_so():
+  """--plan=auto on GPUs profiles the layers on '/GPU:0' in a subprocess;
+  where that fails (here: no GPU), it plans from a CPU profile and the log
+  names the device, the error and the fallback."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if tf.config.list_physical_devices('GPU'):
+    pytest.skip('This machine has a GPU.')
+  from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
+  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
+  p.task.model.Set(hidden_dim=512, num_hidden_layers=8)
+  lines = []
+  plan = auto_plan.Choose(
+      p, planner.Devices(count=2, memory_bytes=25 * 2**20), log=lines.append,
+      profile_device='/GPU:0')
+  [fallback] = [line for line in lines if 'failed' in line]
+  assert fallback.startswith('  Profiling the layers on /GPU:0 failed (')
+  assert "unknown device '/GPU:0'" in fallback
+  assert fallback.endswith('profiling them on the CPU instead, whose memory '
+                           'and times may differ.')
+  assert plan.num_partitions == 2
+  assert p.task.pipeline.num_partitions == 2

@@ -5,11 +5,12 @@ watches nothing, a worker and a single process lower the log level to see
 TensorFlow's out-of-memory warnings); --plan=auto asks for a budget and a
 device count, naming the flags; inspect_model profiles the cells on the
 pipeline's first device when it is a GPU of this process (its kernels'
-memory is not a CPU's), and on a CPU otherwise; the limit quoted by an out-of-memory error
-is the capped process's own, shared by its logical devices; a single
-process that crashes right after its allocator refused memory (as some
-TensorFlow kernels crash) still says, in one line, that it ran out of
-memory, and leaves no file behind.
+memory is not a CPU's), and on a CPU otherwise, and --plan=auto profiles
+on '/GPU:0' when it plans for this machine's GPUs (never a cluster's); the
+limit quoted by an out-of-memory error is the capped process's own, shared
+by its logical devices; a single process that crashes right after its
+allocator refused memory (as some TensorFlow kernels crash) still says, in
+one line, that it ran out of memory, and leaves no file behind.
 """
 
 import os
@@ -114,6 +115,26 @@ def test_plan_lets_workers_on_this_host_take_turns_on_its_cores(
   assert chosen[0].count == 2 and chosen[0].computing_at_once == at_once
   # Workers on this host send to each other at loopback speed.
   assert bool(chosen[0].bandwidth_bytes_per_s) == (at_once is not None)
+
+
+@pytest.mark.parametrize('device_type, cluster, expected', [
+    ('GPU', False, '/GPU:0'), ('CPU', False, None), ('GPU', True, None)])
+def test_plan_profiles_on_this_machines_gpu_only(monkeypatch, device_type,
+                                                  cluster, expected):
+  from tfpipe import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import auto_plan  # pylint: disable=g-import-not-at-top
+  chosen = []
+  monkeypatch.setattr(auto_plan, 'Choose', lambda p, devices, **kwargs: (
+      chosen.append(kwargs['profile_device'])))
+  monkeypatch.setattr(devices_lib, 'ChooseDeviceType',
+                      lambda *unused, **unused_kw: device_type)
+  spec = 'controller=127.0.0.1:1;worker=127.0.0.1:2' if cluster else None
+  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
+  with flagsaver.flagsaver(plan='auto', device_memory_mb=64, num_devices=2,
+                           job='controller' if cluster else None,
+                           cluster_spec=spec):
+    memory_budget.PlanIfAsked(p, FLAGS)
+  assert chosen == [expected]
 
 
 # The trainer's start (main, before TensorFlow), then what a capped process

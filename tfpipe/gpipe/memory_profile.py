@@ -55,6 +55,8 @@ from tfpipe.gpipe import memory_model
 
 # TensorFlow reads it when it starts: the intra-op threads of the process.
 INTRA_OP_ENV = 'TF_NUM_INTRAOP_THREADS'
+# And this one: a GPU's memory is taken as needed, not all at once.
+GPU_GROWTH_ENV = 'TF_FORCE_GPU_ALLOW_GROWTH'
 # Steps per configuration: the first traces; the others are recorded. The
 # order in which TensorFlow runs an action's independent ops varies, and
 # with it the action's peak (by a few percent), so each peak is the largest
@@ -458,6 +460,10 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
       pickle.dump(request, f)
     env = memory_limit.CappedEnv(None)
     env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    if request.device is not None:
+      # A GPU profile takes what it needs, not the whole GPU, and gives it
+      # back when the process ends.
+      env[GPU_GROWTH_ENV] = 'true'
     if request.intra_op_threads:
       env[INTRA_OP_ENV] = str(request.intra_op_threads)
     root = os.path.dirname(os.path.dirname(os.path.dirname(

@@ -45,6 +45,19 @@ def ProfiledSizes(batch_size, num_devices, max_micro_batches=64):
   return sorted(sizes)
 
 
+def _OnDeviceOrCpu(profile, device, log):
+  """(profile(device), device), or (profile(None), None) with a line saying
+  why when profiling on `device` fails."""
+  if device is None:
+    return profile(None), None
+  try:
+    return profile(device), device
+  except RuntimeError as e:
+    log(f'  Profiling the layers on {device} failed ({e}); profiling them '
+        'on the CPU instead, whose memory and times may differ.')
+    return profile(None), None
+
+
 def ApplyPlan(p, plan):
   """Writes the plan into the experiment's pipeline params."""
   p.task.pipeline.Set(
@@ -54,7 +67,8 @@ def ApplyPlan(p, plan):
       num_replicas=plan.num_replicas)
 
 
-def Choose(p, devices, log=print, example=None, intra_op_threads=0):
+def Choose(p, devices, log=print, example=None, intra_op_threads=0,
+           profile_device=None):
   """Plans the experiment for `devices` (a planner.Devices); applies and
   returns the PipelinePlan.
 
@@ -62,7 +76,11 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0):
   unless `example`, a numpy (inputs, targets) batch, is given and this
   process's allocator counts), so devices can still be set up after it.
   The profiles run with each device's `intra_op_threads` (0: TensorFlow's
-  default).
+  default), on `profile_device` if given: '/GPU:0' when the devices are
+  this machine's GPUs, whose kernels' memory and time a CPU profile does
+  not show. That profile runs in a subprocess, which gives the GPU back
+  when it ends; if it fails, the layers are profiled on the CPU, and the
+  log says so.
 
   Raises:
     planner.NoPlanError: nothing fits; its message names the smallest
@@ -73,8 +91,11 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0):
   log(f'Planning for {devices.count} device(s) of '
       f'{devices.memory_bytes / MIB:.0f} MiB: profiling the layers at '
       f'micro-batch sizes {sizes}...')
-  profiles = memory_report.PlannerProfiles(
-      p, sizes, example, log=None, intra_op_threads=intra_op_threads)
+  profiles, profile_device = _OnDeviceOrCpu(
+      lambda device: memory_report.PlannerProfiles(
+          p, sizes, example, log=None, intra_op_threads=intra_op_threads,
+          device=device, in_subprocess=device is not None),
+      profile_device, log)
   step = memory_report.StepConfig(p, example)
   plans = planner.CandidatePlans(
       profiles, devices, batch_size,
@@ -87,7 +108,8 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0):
         batch_size // plan.num_replicas, plan.num_micro_batches)))
     cells = memory_report.Profile(memory_report.ProfileRequest(
         candidate, micro_batch_sizes=n, example=example,
-        intra_op_threads=intra_op_threads))
+        intra_op_threads=intra_op_threads, device=profile_device),
+                                  in_subprocess=profile_device is not None)
     refined = planner.Refine(plan, cells, devices, batch_size,
                              step.input_example_bytes,
                              step.target_example_bytes)

@@ -151,6 +151,18 @@ def _ProfileDevice(devices):
   return None
 
 
+def _PlanProfileDevice(flag_values):
+  """'/GPU:0' when --plan=auto plans for this machine's GPUs: the layers
+  are profiled there (in a subprocess: this process's devices are not set
+  up yet). None for CPUs and for a cluster's workers."""
+  from tfpipe import devices as devices_lib  # pylint: disable=g-import-not-at-top
+  if multihost.ClusterFromFlags(flag_values) is not None:
+    return None
+  if devices_lib.ChooseDeviceType(flag_values.run_locally) == 'GPU':
+    return '/GPU:0'
+  return None
+
+
 def PlanIfAsked(p, flag_values, log=print):
   """Applies --plan=auto to the params (before any device is set up).
 
@@ -175,7 +187,8 @@ def PlanIfAsked(p, flag_values, log=print):
     # A controller drives the workers: each step pays remote calls.
     devices = planner.RemoteWorkers(devices, same_host=at_once is not None)
   return auto_plan.Choose(p, devices, log=log,
-                          intra_op_threads=_IntraOpThreads(flag_values))
+                          intra_op_threads=_IntraOpThreads(flag_values),
+                          profile_device=_PlanProfileDevice(flag_values))
 
 
 def InspectLines(p, flag_values, devices):

@@ -88,12 +88,15 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
   return request
 
 
-def Profile(request, log=None):
+def Profile(request, log=None, in_subprocess=False):
   """The request's CellProfiles: in this process if its allocator counts
   bytes, has no limit and runs the devices' threads (a benchmark's), or if
-  they are profiled on a device of this process (a GPU); else in a
+  they are profiled on a device of this process (a GPU); else, or with
+  `in_subprocess` (a process that has not set up its devices yet), in a
   subprocess that does."""
   threads = os.environ.get(memory_profile.INTRA_OP_ENV, '0')
+  if in_subprocess:
+    return memory_profile.ProfileInSubprocess(request, log=log)
   if request.device is not None or (
       memory_limit.UsesBfc() and memory_limit.LimitMb() is None and
       str(request.intra_op_threads or 0) == threads):
@@ -193,11 +196,12 @@ def LayerCells(p):
 
 
 def PlannerProfiles(p, micro_batch_sizes, example=None, log=None,
-                    intra_op_threads=0):
+                    intra_op_threads=0, device=None, in_subprocess=False):
   """gpipe.planner.LayerProfiles of the experiment's layers."""
   from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
   request = ProfileRequest(p, cells=LayerCells(p),
                            micro_batch_sizes=micro_batch_sizes,
-                           example=example, intra_op_threads=intra_op_threads)
-  profiles = Profile(request, log=log)
+                           example=example, intra_op_threads=intra_op_threads,
+                           device=device)
+  profiles = Profile(request, log=log, in_subprocess=in_subprocess)
   return planner.LayerProfiles(profiles, profiles[-1])
