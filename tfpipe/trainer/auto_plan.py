@@ -106,10 +106,13 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
     ApplyPlan(candidate, plan)
     n = sorted(set(memory_model.MicroBatchSizes(
         batch_size // plan.num_replicas, plan.num_micro_batches)))
-    cells = memory_report.Profile(memory_report.ProfileRequest(
-        candidate, micro_batch_sizes=n, example=example,
-        intra_op_threads=intra_op_threads, device=profile_device),
-                                  in_subprocess=profile_device is not None)
+    cells, _ = _OnDeviceOrCpu(
+        lambda device, c=candidate, n=n: memory_report.Profile(
+            memory_report.ProfileRequest(
+                c, micro_batch_sizes=n, example=example,
+                intra_op_threads=intra_op_threads, device=device),
+            in_subprocess=device is not None),
+        profile_device, log)
     refined = planner.Refine(plan, cells, devices, batch_size,
                              step.input_example_bytes,
                              step.target_example_bytes)
