@@ -158,8 +158,13 @@ class MemoryRecordingDispatcher:
 
   def Run(self, program, step, record_times=False):
     tf = _Tf()
+    from tfpipe.gpipe import dispatch  # pylint: disable=g-import-not-at-top
     records = self.records
     allocator = self.allocator
+    # A GPU runs an action's kernels after the call returns: its time ends
+    # when its outputs exist. (Its memory is counted as the host allocates,
+    # in issue order, either way.)
+    wait = allocator.startswith('GPU')
 
     class _Measured:
       """The step, each Execute read around."""
@@ -172,6 +177,8 @@ class MemoryRecordingDispatcher:
         before = tf.config.experimental.get_memory_info(allocator)['current']
         start = time.perf_counter()
         done = step.Execute(item, args, store)
+        if wait:
+          dispatch._WaitFor(done)  # pylint: disable=protected-access
         seconds = time.perf_counter() - start
         info = tf.config.experimental.get_memory_info(allocator)
         records.append(ActionRecord(item[1], before, info['peak'],
@@ -340,6 +347,8 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm,
     before = tf.config.experimental.get_memory_info(allocator)['current']
     start = time.perf_counter()
     bool(Update(gradients))
+    if allocator.startswith('GPU'):  # Until the update's kernels are done.
+      tf.reshape(variables[-1], [-1])[:1].numpy()
     seconds = min(seconds, time.perf_counter() - start)
     peak = max(peak, tf.config.experimental.get_memory_info(
         allocator)['peak'] - before)
