@@ -32,6 +32,10 @@ step oom_gpu 120 python3 -m tfpipe.trainer --model=lm.SmallTransformerLm --logdi
   --num_micro_batches=1 --remat_policy=never --logical_gpu_memory_mb=40 --max_steps=2
 step inspect_gpu 60 python3 -m tfpipe.trainer --model=lm.SmallTransformerLm --mode=inspect_model --num_partitions=2 \
   --num_micro_batches=1 --remat_policy=never --device_memory_mb=40
+# --plan=auto profiling on GPU:0 (in a subprocess), not yet run on a GPU.
+step plan_gpu 150 python3 -m tfpipe.trainer --model=mlp.TinyMlp \
+  "--model_params_override=task.model.hidden_dim: 512; task.model.num_hidden_layers: 8" \
+  --logdir=/tmp/plan_gpu --plan=auto --device_memory_mb=25 --num_devices=2 --logical_gpu_memory_mb=25 --max_steps=2
 step memory_gpu 300 python3 -m benchmarks.memory --device=gpu --output_json=$OUT/memory_gpu.json
 step eff_k4 100 env CUDA_VISIBLE_DEVICES= python3 -m benchmarks.pipeline_efficiency --mode=grpc_graph \
   --dim=1024 --batch=2048 --num_cells=4 --micro_batches=1,8 --reps=3 --output_json=$OUT/eff_k4.json
