@@ -63,6 +63,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 
 from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
 # pylint: disable=g-import-not-at-top
+from tfpipe import device_names
 from tfpipe.gpipe import schedule as schedule_lib
 
 tf = bench_lib.tf
@@ -175,15 +176,6 @@ def _ConfigName(k, remat, sched, executor):
       ' threads' if executor == 'threads' else '')
 
 
-def GpuMemoryNames(devices):
-  """'GPU:i' names that get_memory_info takes, for logical GPU names."""
-  names = []
-  for d in devices:
-    spec = tf.DeviceSpec.from_string(d)
-    names.append(f'{spec.device_type}:{spec.device_index or 0}')
-  return names
-
-
 def _MeasurePerDevice(step_fn, names):
   """{name: bytes the step adds on that device}, after one warm-up run."""
   bench_lib._Sync(step_fn())  # pylint: disable=protected-access
@@ -215,7 +207,7 @@ def PerDeviceMain(devices, device_type='GPU'):
   is exercised, not the figures.
   """
   k = FLAGS.num_cells
-  names = GpuMemoryNames(devices[:k])
+  names = [device_names.AllocatorName(d) for d in devices[:k]]
   n, l = FLAGS.batch, FLAGS.num_layers
   layer_params, x = bench_lib.MakeModel('transformer', l, n, seq=FLAGS.seq,
                                         dim=FLAGS.dim)

@@ -42,6 +42,13 @@ def test_another_process_is_told_by_job_and_task_not_device_type():
     assert device_names.OnOtherProcess(remote), remote
 
 
+def test_memory_queries_take_the_short_name_of_any_spelling():
+  for name in ('/GPU:1', '/device:GPU:1',
+               '/job:localhost/replica:0/task:0/device:GPU:1'):
+    assert device_names.AllocatorName(name) == 'GPU:1'
+  assert device_names.AllocatorName('/cpu:0') == 'CPU:0'
+
+
 def test_a_variable_reports_the_canonical_name_of_its_device():
   with tf.device('/CPU:1'):
     v = tf.Variable(1.0)

@@ -6,7 +6,8 @@ variable reports the long form of the device a user gave in the short one.
 `CanonicalDevice` is the one place tfpipe turns a name into the form it
 compares (the pipeline's device check, the placement audit, the
 benchmarks' placement checks); a process's own devices are job 'localhost',
-replica 0, task 0, as TensorFlow names them.
+replica 0, task 0, as TensorFlow names them. `AllocatorName` is the short
+form TensorFlow's memory queries take.
 
 A pipeline of R replicas x K cells takes a replica-major device list
 (slot r*K + k); `WorkerDevices` lays such a list out over the workers of
@@ -30,6 +31,14 @@ def CanonicalDevice(name):
       job='localhost' if spec.job is None else spec.job,
       replica=0 if spec.replica is None else spec.replica,
       task=0 if spec.task is None else spec.task).to_string()
+
+
+def AllocatorName(device):
+  """The name tf.config.experimental.get_memory_info takes for a device of
+  this process: its type and index ('GPU:1')."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  spec = tf.DeviceSpec.from_string(device)
+  return f'{(spec.device_type or "CPU").upper()}:{spec.device_index or 0}'
 
 
 def SameDevice(a, b):

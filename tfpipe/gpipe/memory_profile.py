@@ -76,18 +76,11 @@ def LocalCpu():
     return tf.constant(0).device
 
 
-def DeviceSpec(device):
-  """The tf.DeviceSpec of a device name."""
-  return _Tf().DeviceSpec.from_string(device)
-
-
 def AllocatorName(device=None):
   """The name get_memory_info takes for a device ('GPU:1'); this process's
   CPU's for None."""
-  if device is None:
-    return 'CPU:0'
-  spec = DeviceSpec(device)
-  return f'{spec.device_type}:{spec.device_index or 0}'
+  from tfpipe import device_names  # pylint: disable=g-import-not-at-top
+  return 'CPU:0' if device is None else device_names.AllocatorName(device)
 
 
 def CheckAllocatorCounts(device=None):

@@ -18,6 +18,7 @@ controller's workers), add nothing.
 
 import tensorflow as tf
 
+from tfpipe import device_names
 from tfpipe import memory_limit
 
 
@@ -50,7 +51,7 @@ def MemoryDevices(devices):
         continue
       label, name = 'CPU', 'CPU:0'
     else:
-      label = name = f'{device_type}:{spec.device_index or 0}'
+      label = name = device_names.AllocatorName(device)
     if (label, name) not in result and _Query(name) is not None:
       result.append((label, name))
   return result

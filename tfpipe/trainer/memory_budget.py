@@ -22,6 +22,7 @@ import sys
 from absl import flags
 
 from tfpipe import cluster_spec
+from tfpipe import device_names
 from tfpipe import memory_limit
 from tfpipe import multihost
 from tfpipe import out_of_memory
@@ -142,11 +143,8 @@ def _ProfileDevice(devices):
   """The device to profile the cells on: the first of the pipeline's if it
   is a GPU of this process (a GPU's kernels and libraries take memory a CPU
   profile cannot see), else None (a CPU, in a process that counts bytes)."""
-  from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
-  if not devices:
-    return None
-  spec = memory_profile.DeviceSpec(devices[0])
-  if spec.device_type == 'GPU' and spec.job in (None, 'localhost'):
+  if (devices and device_names.AllocatorName(devices[0]).startswith('GPU')
+      and not device_names.OnOtherProcess(devices[0])):
     return devices[0]
   return None
 
