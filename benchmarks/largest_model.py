@@ -29,7 +29,10 @@ measured over predicted (Search), then bisection.
 Models: a Transformer LM (size: its number of blocks) and AmoebaNet-D(L, D)
 with D fixed (size: L, a multiple of 3), at shapes small enough for a trial
 to take minutes on 2 cores (a pipeline-8 trial of AmoebaNet at L=87 took
-12). The growth over naive-1 is
+12). The Transformer keeps GPipe's proportions: FFN 4d and a vocabulary of
+16 d (GPipe's 32k tokens at d=2048), so its untied embedding and softmax
+hold as many parameters as 2.7 blocks, a fixed cost that naive-1 pays in
+full and pipeline-K on its first and last devices only. The growth over naive-1 is
 printed next to GPipe's, and for the largest pipeline each device's
 predicted peak says where its memory goes.
 
@@ -61,6 +64,13 @@ flags.DEFINE_list('configs', ['naive-1', 'pipeline-1', 'pipeline-2',
 flags.DEFINE_integer('batch', 8, 'Global batch N (M = N in the pipelines).')
 flags.DEFINE_integer('dim', 64, 'Transformer: model dim (FFN 4x, 4 heads).')
 flags.DEFINE_integer('seq', 64, 'Transformer: sequence length.')
+flags.DEFINE_integer('vocab', 0, 'Transformer: vocabulary size; 0 means 16 '
+                     'x --dim, the ratio of GPipe\'s Table 1 Transformer '
+                     '(32k tokens at d=2048), whose untied embedding and '
+                     'softmax hold 2.6 blocks\' parameters.')
+flags.DEFINE_bool('predict_only', False, 'Print the memory model\'s largest '
+                  'size of each configuration and where its memory goes; '
+                  'run no trial (minutes: one profiled step per layer).')
 flags.DEFINE_integer('filters', 32, 'AmoebaNet: D.')
 flags.DEFINE_integer('image', 16, 'AmoebaNet: image size.')
 flags.DEFINE_integer('max_trials', 4, 'Trials per configuration at most.')
@@ -81,13 +91,14 @@ MIB = 2.0**20
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # family: (size step, smallest size, GPipe's numbers by configuration,
-# budget in MiB). In 16 MiB naive-1 trains 3 Transformer blocks, as GPipe's
-# did. AmoebaNet's activations per example are far larger than its
-# weights: 32 MiB is the smallest of 16, 24 and 32 in which naive-1 trains
-# its smallest model (L=3) at the default shapes.
+# budget in MiB). Each budget is the smallest tried in which naive-1 trains
+# GPipe's naive-1 model: 3 Transformer blocks (22 MiB, of 18, 20, 22 and 24,
+# at the default shapes, whose vocabulary of 16 x d is GPipe's ratio), and
+# AmoebaNet's L=3, whose activations per example are far larger than its
+# weights (32 MiB, of 16, 24 and 32).
 FAMILIES = {
     'transformer': (1, 1, {'naive-1': '3 layers', 'pipeline-1': '13 layers',
-                           'pipeline-8': '103 layers (34x)'}, 16),
+                           'pipeline-8': '103 layers (34x)'}, 22),
     'amoebanet': (3, 3, {'naive-1': '82M', 'pipeline-1': '318M (3.9x)',
                          'pipeline-2': '542M (6.6x)',
                          'pipeline-4': '1.05B (12.8x)',
@@ -102,8 +113,9 @@ def ExperimentParams(family, size):
     p = model_registry.GetParams('lm.TinyTransformerLm', 'Train')
     p.task.model.Set(num_layers=size, model_dim=FLAGS.dim, num_heads=4,
                      hidden_dim=4 * FLAGS.dim, sequence_length=FLAGS.seq,
-                     vocab_size=64)
-    p.input.Set(batch_size=FLAGS.batch, vocab_size=64, length=FLAGS.seq // 2)
+                     vocab_size=Vocab())
+    p.input.Set(batch_size=FLAGS.batch, vocab_size=Vocab(),
+                length=FLAGS.seq // 2)
   elif family == 'amoebanet':
     p = model_registry.GetParams('image.TinyAmoebaNetD', 'Train')
     p.task.model.Set(num_layers=size, num_filters=FLAGS.filters,
@@ -114,6 +126,10 @@ def ExperimentParams(family, size):
                          f'one of {sorted(FAMILIES)}.')
   p.task.train.optimizer.type = 'adam'
   return p
+
+
+def Vocab():
+  return FLAGS.vocab or 16 * FLAGS.dim
 
 
 def Budget(family):
@@ -258,7 +274,7 @@ def Trial(config, family, size, layer_counts=None):
   cmd = [sys.executable, '-m', 'benchmarks.largest_model',
          f'--trial={config}', f'--family={family}', f'--size={size}',
          f'--budget_mib={Budget(family)}', f'--batch={FLAGS.batch}',
-         f'--dim={FLAGS.dim}', f'--seq={FLAGS.seq}',
+         f'--dim={FLAGS.dim}', f'--seq={FLAGS.seq}', f'--vocab={Vocab()}',
          f'--filters={FLAGS.filters}', f'--image={FLAGS.image}']
   if layer_counts:
     cmd.append('--layer_counts=' + ','.join(map(str, layer_counts)))
@@ -456,6 +472,9 @@ def main(argv):
   for family in FLAGS.families:
     predictor = Predictor(family, Log)
     previous = FAMILIES[family][1]
+    if FLAGS.predict_only:
+      _Predict(family, predictor, previous, Log)
+      continue
     for config in FLAGS.configs:
       size, trials, predicted = Search(family, config, predictor, previous,
                                        Log)
@@ -472,9 +491,29 @@ def main(argv):
                                   for p in peaks or []],
           'where': [p.Describe() for p in peaks or []],
           'layer_counts': counts, 'trials': trials})
-  _Report(results, bench_lib, time.time() - start)
+  if not FLAGS.predict_only:
+    _Report(results, bench_lib, time.time() - start)
   sys.stdout.flush()
   os._exit(0)  # pylint: disable=protected-access
+
+
+def _Predict(family, predictor, smallest, log):
+  """--predict_only: each configuration's predicted largest size, its
+  growth over naive-1's, and where the largest pipeline's memory goes."""
+  base = None
+  for config in FLAGS.configs:
+    size = predictor.Largest(config, smallest)
+    smallest = max(smallest, size)
+    base = base or size
+    params = (ExperimentParams(family, size).task.model.Instantiate()
+              .NumParams() if size else 0)
+    log(f'{family} {config}: predicted {size} ({params / 1e6:.2f}M '
+        f'parameters), {size / base if base else 0:.1f}x '
+        f'{FLAGS.configs[0]}; GPipe: '
+        f'{FAMILIES[family][2].get(config, "-")}')
+    if config == FLAGS.configs[-1] and size:
+      for d, peak in enumerate(predictor.Peaks(config, size)[2]):
+        log(f'  device {d}: {peak.Describe()}')
 
 
 def _Report(results, bench_lib, seconds):
@@ -515,7 +554,8 @@ def _Report(results, bench_lib, seconds):
       'benchmark': 'largest_model', 'results': results,
       'flags': {name: FLAGS[name].value for name in (
           'budget_mib', 'families', 'configs', 'batch', 'dim', 'seq',
-          'filters', 'image')},
+          'vocab', 'filters', 'image')},
+      'vocab_size': Vocab(),
       'budgets_mib': {family: Budget(family) for family in FLAGS.families}})
 
 

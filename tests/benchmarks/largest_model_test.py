@@ -6,10 +6,12 @@ the search starts): a small model trains one step in a capped process
 device's peak within the budget; a budget too small is reported as out of
 memory, not as a crash (checked on the naive trial, whose process is
 cheaper; the pipelined trials report it through the same code).
+--predict_only runs the memory model alone, as a user sizing a budget would.
 """
 # bazel: tags=manual
 
 import json
+import re
 import shutil
 
 import pytest
@@ -49,6 +51,10 @@ def fixture_trials():
                                '--dim=256', '--seq=128', '--batch=16',
                                capped_mib=1),
   }
+  trials['predicted'] = quiet_test.Started(
+      '-m', 'benchmarks.largest_model', '--predict_only',
+      '--families=transformer', '--configs=naive-1,pipeline-2', '--batch=4',
+      '--dim=16', '--seq=8', '--budget_mib=6', timeout=240)
   if shutil.which('unshare'):
     trials['pipelined'] = _StartTrial('--trial=pipeline-2', '--budget_mib=64',
                                       '--layer_counts=2,3')
@@ -76,6 +82,20 @@ def test_pipelined_trial_on_capped_workers(trials):
   fits = _TrialResult(trials['pipelined'])
   assert fits['fits'], fits
   assert len(fits['peaks']) == 2 and max(fits['peaks']) <= 64 * 2**20
+
+
+def test_predict_only_prints_each_configuration_and_its_devices(trials):
+  proc = trials['predicted'].Result()
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  sizes = dict(re.findall(r'^transformer (\S+): predicted (\d+) \(',
+                          proc.stdout, re.M))
+  assert set(sizes) == {'naive-1', 'pipeline-2'}, proc.stdout
+  # Two devices of 6 MiB hold more blocks than plain Keras in one.
+  assert int(sizes['pipeline-2']) > int(sizes['naive-1']) >= 1, proc.stdout
+  devices = re.findall(r'^  device (\d): ([\d.]+) MiB at ', proc.stdout, re.M)
+  assert [d for d, _ in devices] == ['0', '1'], proc.stdout
+  assert all(float(mib) <= 6 for _, mib in devices), proc.stdout
+  assert 'TRIAL' not in proc.stdout  # No trial ran.
 
 
 _SEARCH = r'''
