@@ -39,6 +39,25 @@ def test_unplaced_ops_follow_the_variable_they_work_on():
   assert not placement.Audit(Update, tf.ones([4, 4]), tf.ones([64, 64]))
 
 
+def test_ops_follow_variables_captured_while_the_trace_runs():
+  # Each read captures its variable after earlier ops asked for devices:
+  # what placement keeps about captures and ops must stay current.
+  variables = []
+  for k in range(24):
+    with tf.device(f'/CPU:{1 + k % 3}'):
+      variables.append(tf.Variable(tf.ones([8, 8]) * k))
+
+  @tf.function
+  def Fn():
+    with placement.FollowInputDevices():
+      return [tf.reduce_sum(v * 2.0 + 1.0) for v in variables]
+  concrete = Fn.get_concrete_function()
+  expected = [str(1 + k % 3) for k in range(24)]
+  for op_type in ('Mul', 'AddV2', 'Sum'):
+    devices = _Devices(concrete, op_type)
+    assert [d.split(':')[-1] for d in devices] == expected, (op_type, devices)
+
+
 def test_explicit_device_scopes_inside_still_win():
   small, _ = _Variables()
 

@@ -25,6 +25,7 @@ test cannot see this by measuring memory. This module gives two tools:
 
 import contextlib
 import dataclasses
+import itertools
 from typing import List
 
 import tensorflow as tf
@@ -33,13 +34,33 @@ from tfpipe import device_names
 
 
 def _Captures(graph):
-  """{id(internal placeholder): external tensor} of a FuncGraph's captures."""
+  """{id(internal placeholder): external tensor} of a FuncGraph's captures.
+
+  Kept up to date by appending what was captured since the last call:
+  `graph.captures` rebuilds its whole list after every new capture, and an
+  optimizer update captures three resources per variable, so asking it once
+  per op made tracing a 1000-variable update quadratic (seconds per
+  hundred variables).
+  """
+  function_captures = getattr(graph, '_function_captures', None)
+  internal = getattr(function_captures, 'by_val_internal', None)
+  external = getattr(function_captures, 'by_val_external', None)
   cached = getattr(graph, '_tfpipe_captures', None)
-  captures = list(getattr(graph, 'captures', []) or [])
-  if cached is None or cached[0] != len(captures):
-    cached = (len(captures), {id(internal): external
-                              for external, internal in captures})
+  if not isinstance(internal, dict) or not isinstance(external, dict):
+    captures = list(getattr(graph, 'captures', []) or [])
+    if cached is None or cached[0] != len(captures):
+      cached = [len(captures), {id(i): e for e, i in captures}]
+      graph._tfpipe_captures = cached  # pylint: disable=protected-access
+    return cached[1]
+  if cached is None or cached[0] > len(internal):  # New, or some removed.
+    cached = [0, {}]
     graph._tfpipe_captures = cached  # pylint: disable=protected-access
+  if cached[0] < len(internal):  # The newest captures are the last keys.
+    for key in itertools.islice(reversed(internal),
+                                len(internal) - cached[0]):
+      if key in external:
+        cached[1][id(internal[key])] = external[key]
+    cached[0] = len(internal)
   return cached[1]
 
 
@@ -65,6 +86,26 @@ def TensorDevice(t, depth=0):
     if not hasattr(external, 'op'):
       return external.device or None
     return TensorDevice(external, depth + 1)
+  # An unplaced op's answer depends only on ops made before it, so it is
+  # kept: without that, tracing walked the same inputs again for every op
+  # that read them (an update's ops with hundreds of inputs, its variables'
+  # reads).
+  known = getattr(graph, '_tfpipe_op_devices', None)
+  if known is None:
+    known = graph._tfpipe_op_devices = {}  # pylint: disable=protected-access
+  if id(op) in known:
+    return known[id(op)]
+  device, searched = _UnplacedOpDevice(op, graph, depth)
+  if device or not searched:
+    known[id(op)] = device
+  return device
+
+
+def _UnplacedOpDevice(op, graph, depth):
+  """(device of an unplaced op from its colocation group or its resource
+  inputs, or None; whether that needed a search that may have been cut
+  short by the depth limit)."""
+  searched = False
   for group in op.colocation_groups():
     name = group.decode()[len('loc:@'):] if isinstance(group, bytes) else (
         group[len('loc:@'):])
@@ -75,15 +116,17 @@ def TensorDevice(t, depth=0):
     except (KeyError, ValueError):
       continue
     if other.outputs:
+      searched = True
       device = TensorDevice(other.outputs[0], depth + 1)
       if device:
-        return device
+        return device, searched
   for inp in op.inputs:
     if inp.dtype == tf.resource:
+      searched = True
       device = TensorDevice(inp, depth + 1)
       if device:
-        return device
-  return None
+        return device, searched
+  return None, searched
 
 
 def _NumElements(t):

@@ -175,11 +175,7 @@ def ApplyGradients(optimizer, grads_and_vars, clip_norm=0.0, norm=None):
       if scale is not None:
         gradient = _Scaled(gradient, scale)
       result = update_step(gradient, variable, learning_rate)
-    ops = graph.get_operations()[first:]
-    made = set(ops)
-    ends = [op for op in ops if not any(
-        consumer in made for output in op.outputs
-        for consumer in output.consumers())]
+    ends = _LastOps(graph.get_operations()[first:])
     if ends:
       last[device] = ends
     return result
@@ -194,6 +190,19 @@ def ApplyGradients(optimizer, grads_and_vars, clip_norm=0.0, norm=None):
     else:
       optimizer.update_step = own
   return norm
+
+
+@tf.autograph.experimental.do_not_convert
+def _LastOps(ops):
+  """The ops of `ops` that no other op of `ops` reads.
+
+  Bookkeeping on Python objects, kept out of autograph: converted, it cost
+  5 ms a variable (5 s of a 1000-variable update's trace).
+  """
+  made = set(ops)
+  return [op for op in ops if not any(
+      consumer in made for output in op.outputs
+      for consumer in output.consumers())]
 
 
 def _Scaled(gradient, scale):
