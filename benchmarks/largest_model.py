@@ -32,9 +32,9 @@ to take minutes on 2 cores (a pipeline-8 trial of AmoebaNet at L=87 took
 12). The Transformer keeps GPipe's proportions: FFN 4d and a vocabulary of
 16 d (GPipe's 32k tokens at d=2048), so its untied embedding and softmax
 hold as many parameters as 2.7 blocks, a fixed cost that naive-1 pays in
-full and pipeline-K on its first and last devices only. The growth over naive-1 is
-printed next to GPipe's, and for the largest pipeline each device's
-predicted peak says where its memory goes.
+full and pipeline-K on its first and last devices only. The growth over
+naive-1 is printed next to GPipe's, and for the largest pipeline each
+device's predicted peak says where its memory goes.
 
     python -m benchmarks.largest_model --output_json=/tmp/bench/largest_model.json
 """
