@@ -68,6 +68,10 @@ flags.DEFINE_integer('vocab', 0, 'Transformer: vocabulary size; 0 means 16 '
                      'x --dim, the ratio of GPipe\'s Table 1 Transformer '
                      '(32k tokens at d=2048), whose untied embedding and '
                      'softmax hold 2.6 blocks\' parameters.')
+flags.register_validator(
+    'vocab', lambda v: v == 0 or v >= 3,
+    '--vocab must be 0 (16 x --dim) or at least 3 (the input generator '
+    'reserves 2 ids: PAD and SEP).')
 flags.DEFINE_bool('predict_only', False, 'Print the memory model\'s largest '
                   'size of each configuration and where its memory goes; '
                   'run no trial (minutes: one profiled step per layer).')

@@ -98,6 +98,18 @@ def test_predict_only_prints_each_configuration_and_its_devices(trials):
   assert 'TRIAL' not in proc.stdout  # No trial ran.
 
 
+def test_a_vocabulary_too_small_is_refused_naming_the_flag():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run(
+      [sys.executable, '-m', 'benchmarks.largest_model', '--predict_only',
+       '--vocab=2'], cwd=script_runner.ROOT, capture_output=True, text=True,
+      timeout=120, check=False)
+  assert proc.returncode != 0
+  assert '--vocab must be 0' in proc.stderr, proc.stderr[-2000:]
+  assert 'Traceback' not in proc.stderr
+
+
 _SEARCH = r'''
 import json, sys
 from absl import flags
