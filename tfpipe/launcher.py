@@ -69,10 +69,39 @@ flags.DEFINE_integer('device_memory_mb', None,
 FLAGS = flags.FLAGS
 
 
+# The first SIGINT/SIGTERM/SIGHUP received: the job is stopping.
+_stop_signal = None
+
+
 def _OnSignal(signum, unused_frame):
+  """Stops the job: raises SystemExit(128 + signum) where the launcher is.
+
+  Python runs a handler wherever the main thread is, and some places print
+  and drop what it raises: a signal that lands while subprocess.Popen forks
+  runs it inside an at-fork callback (logging's), and the job trained on.
+  So the signal is also recorded, and every wait checks it
+  (_ExitIfStopping). A later signal only repeats the request: raising again
+  would cut short the cleanup the first one started.
+  """
+  global _stop_signal
+  if _stop_signal is not None:
+    return
+  _stop_signal = signum
   print(f'launcher: {signal.Signals(signum).name} received; stopping every '
         'process of the job.', file=sys.stderr, flush=True)
   raise SystemExit(128 + signum)
+
+
+def StopOnSignals():
+  """SIGINT, SIGTERM and SIGHUP stop the job (_OnSignal)."""
+  for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, _OnSignal)
+
+
+def _ExitIfStopping():
+  """Raises SystemExit(128 + signal) once a signal asked the job to stop."""
+  if _stop_signal is not None:
+    raise SystemExit(128 + _stop_signal)
 
 
 def VerbosityArgs(controller_args=()):
@@ -123,8 +152,7 @@ def Launch(controller_args):
   print(f'launcher: pid={os.getpid()} cluster {spec_text}', flush=True)
   children = local_cluster.ChildProcesses('launcher')
   atexit.register(children.Close)
-  for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(sig, _OnSignal)
+  StopOnSignals()
   try:
     workers = local_cluster.StartWorkers(
         children, jobs, lambda i: [
@@ -134,7 +162,7 @@ def Launch(controller_args):
             *VerbosityArgs()],
         FLAGS.startup_timeout_s,
         hint='See its log above; --startup_timeout_s sets the wait.',
-        env=WorkerEnvironment())
+        each_step=_ExitIfStopping, env=WorkerEnvironment())
     if FLAGS.device_memory_mb:
       print(f'launcher: {num_workers} worker(s), each an emulated '
             f'accelerator of {FLAGS.device_memory_mb} MiB (its own capped '
@@ -154,6 +182,7 @@ def _Supervise(controller, workers):
   start = time.monotonic()
   worker_lost_at = None
   while True:
+    _ExitIfStopping()
     code = controller.poll()
     if code is not None:
       print(f'launcher: controller exited with status {code}.', flush=True)

@@ -126,7 +126,7 @@ class ChildProcesses:
 
 
 def StartWorkers(children, jobs, worker_argv, timeout_s,
-                 hint='See its log above.', **popen_kwargs):
+                 hint='See its log above.', each_step=None, **popen_kwargs):
   """Starts one process per worker task of `jobs`; waits until all serve.
 
   Args:
@@ -150,8 +150,10 @@ def StartWorkers(children, jobs, worker_argv, timeout_s,
     proc = children.Start(f'worker {name} at {address}', worker_argv(i),
                           **popen_kwargs)
     started.append((name, address, proc))
+    if each_step:
+      each_step()
   processes = {name: proc for name, _, proc in started}
   servers.WaitForTasks(workers, timeout_s,
                        exit_status=lambda name: processes[name].poll(),
-                       hint=hint)
+                       hint=hint, each_round=each_step)
   return started

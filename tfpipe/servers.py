@@ -189,7 +189,8 @@ def ProbeGrpc(address, timeout_s):
 
 
 def WaitForTasks(tasks, timeout_s, exit_status=None, interval_s=0.25,
-                 hint='Start them (or check their logs) and retry.'):
+                 hint='Start them (or check their logs) and retry.',
+                 each_round=None):
   """Waits until every task's server answers.
 
   Args:
@@ -199,6 +200,8 @@ def WaitForTasks(tasks, timeout_s, exit_status=None, interval_s=0.25,
       task name, returns the process's exit status, or None while it runs.
     interval_s: seconds between rounds of probes.
     hint: the end of the error messages: what the user should do.
+    each_round: called before each round of probes; it may raise to stop
+      the wait (the launcher does, once a signal asked it to stop).
 
   Raises:
     TimeoutError: naming the tasks that did not answer in time.
@@ -207,6 +210,8 @@ def WaitForTasks(tasks, timeout_s, exit_status=None, interval_s=0.25,
   deadline = time.monotonic() + timeout_s
   pending = list(tasks)
   while True:
+    if each_round:
+      each_round()
     pending = [(n, a) for n, a in pending if ProbeGrpc(a, 1.0) is not None]
     if not pending:
       return
