@@ -14,8 +14,10 @@ unplaced lands on worker 0 and shows up in its peak.
 Two rows per executor:
   placed     the trainer as it is: every op on its cell's device.
   unplaced   the control: the same step with tfpipe.placement switched off
-             (the update as it was before placement.py). Worker 0's peak
-             then grows with the whole model, not its cell.
+             and Keras' own update ops (the update as it was before
+             placement.py; a fused kernel runs on its variable's device
+             wherever it is created). Worker 0's peak then grows with the
+             whole model, not its cell.
 
 The model is an MLP of 2K equal 1024x1024 layers (two per cell), so equal
 cells should show equal peaks. Reported: each worker's peak in-use bytes
@@ -91,7 +93,7 @@ def _PlacementOff():
      placement.OnVariableDevices) = saved
 
 
-def _TaskParams(devices, executor):
+def _TaskParams(devices, executor, placed=True):
   from models import mlp  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import task as task_lib  # pylint: disable=g-import-not-at-top
   p = task_lib.BaseTask.Params()
@@ -101,6 +103,7 @@ def _TaskParams(devices, executor):
   p.pipeline.Set(num_partitions=FLAGS.num_cells,
                  num_micro_batches=FLAGS.num_micro_batches, devices=devices,
                  executor=executor, balance='params')
+  p.train.optimizer.fused = placed
   return p
 
 
@@ -113,7 +116,7 @@ def _Measure(devices, executor, placed):
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   with tf.device(devices[0]):
-    task = _TaskParams(devices, executor).Instantiate()
+    task = _TaskParams(devices, executor, placed).Instantiate()
     x = tf.random.stateless_normal([FLAGS.batch, FLAGS.dim], seed=[1, 2])
     y = tf.random.stateless_uniform([FLAGS.batch], seed=[3, 4],
                                     maxval=FLAGS.dim, dtype=tf.int32)

@@ -12,8 +12,8 @@ past it fails, as on an accelerator of that size; benchmarks.capped_workers),
 with one intra-op thread. A trial trains one full step (forward, backward, the
 optimizer's update; then a second one) of a model of one size:
 
-  naive-1     plain Keras (GradientTape, clipping, Adam) in one capped
-              process;
+  naive-1     plain Keras (GradientTape, then the trainer's update:
+              clipping and Adam) in one capped process;
   pipeline-K  the trainer's step (tfpipe.trainer.task) on K capped
               workers, remat_policy='always', schedule='1f1b', M = N
               micro-batches of one example, executor='threads' (which
@@ -265,9 +265,12 @@ def _NaiveSteps(p, batch):
       loss = model_builder.Loss(model(inputs, training=True), targets)
       loss = loss[0] if isinstance(loss, tuple) else loss
     grads = tape.gradient(loss, model.trainable_variables)
-    grads, _ = optimizer_lib.ClipGradients(grads,
-                                           p.task.train.clip_gradient_norm)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    # The trainer's update (clipping, then Adam's fused kernel, one
+    # variable after another), so the two sides differ by pipelining alone.
+    optimizer_lib.ApplyGradients(
+        optimizer, zip(grads, model.trainable_variables),
+        clip_norm=p.task.train.clip_gradient_norm,
+        fused=p.task.train.optimizer.fused)
     return loss
   for _ in range(2):
     float(Step())

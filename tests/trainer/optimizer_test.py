@@ -122,7 +122,8 @@ def test_apply_gradients_updates_a_devices_variables_one_after_another():
 
   @tf.function
   def Chained():
-    optimizer.ApplyGradients(opt_chained, zip(grads, chained), clip_norm=0.5)
+    optimizer.ApplyGradients(opt_chained, zip(grads, chained), clip_norm=0.5,
+                             fused=False)
 
   @tf.function
   def Plain():
@@ -142,7 +143,7 @@ def test_apply_gradients_updates_a_devices_variables_one_after_another():
               for external, internal in graph.captures
               if id(external) in handles}
   for op in graph.get_operations():
-    if op.type.startswith('Assign') and op.inputs:
+    if op.type.startswith(('Assign', 'ResourceApply')) and op.inputs:
       handle = op.inputs[0]
       index = captured.get(id(handle))
       if index is not None:
@@ -153,3 +154,127 @@ def test_apply_gradients_updates_a_devices_variables_one_after_another():
     assert set(writes[later - 1]) & ancestors, later
   ancestors = set().union(*(_Ancestors(op) for op in writes[3]))
   assert not any(set(writes[i]) & ancestors for i in range(3))  # Device 1.
+
+
+def _Variables(dtype):
+  """Variables on two devices, with their gradients for three steps."""
+  rng = np.random.default_rng(0)
+  shapes = [[6, 4], [4], [3, 5]]
+  devices = ['/device:CPU:0', '/device:CPU:0', '/device:CPU:1']
+  def Make():
+    variables = []
+    for shape, device in zip(shapes, devices):
+      with tf.device(device):
+        variables.append(tf.Variable(
+            np.random.default_rng(len(variables)).normal(size=shape),
+            dtype=dtype))
+    return variables
+  steps = [[tf.constant(rng.normal(size=s), dtype) for s in shapes]
+           for _ in range(3)]
+  return Make, steps
+
+
+def _Train(make_optimizer, dtype, fused, clip_norm=0.5):
+  """The variables after three traced updates, and the update's op types."""
+  make, steps = _Variables(dtype)
+  variables = make()
+  opt = make_optimizer()
+
+  @tf.function
+  def Step(gradients):
+    optimizer.ApplyGradients(opt, zip(gradients, variables),
+                             clip_norm=clip_norm, fused=fused)
+  for gradients in steps:
+    Step(gradients)
+  graph = Step.get_concrete_function(steps[0]).graph
+  return [v.numpy() for v in variables], graph
+
+
+_KERAS_OPTIMIZERS = {
+    'adam': lambda: keras.optimizers.Adam(0.1),
+    'adam_schedule': lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)),
+    'sgd_momentum': lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    'sgd_nesterov': lambda: keras.optimizers.SGD(0.1, momentum=0.9,
+                                                 nesterov=True),
+    'sgd': lambda: keras.optimizers.SGD(0.1),
+}
+_KERNELS = {'adam': 'ResourceApplyAdam', 'adam_schedule': 'ResourceApplyAdam',
+            'sgd_momentum': 'ResourceApplyKerasMomentum',
+            'sgd_nesterov': 'ResourceApplyKerasMomentum',
+            'sgd': 'ResourceApplyGradientDescent'}
+
+
+@pytest.mark.parametrize('name', sorted(_KERAS_OPTIMIZERS))
+@pytest.mark.parametrize('dtype', ['float32', 'float64'])
+def test_fused_kernels_update_as_keras_does(name, dtype):
+  make = _KERAS_OPTIMIZERS[name]
+  fused, graph = _Train(make, dtype, fused=True)
+  keras_own, _ = _Train(make, dtype, fused=False)
+  kernels = [op for op in graph.get_operations()
+             if op.type == _KERNELS[name]]
+  assert len(kernels) == 3  # One per variable,
+  assert not [op for op in graph.get_operations()  # and no Keras update op.
+              if op.type in ('AssignAddVariableOp', 'AssignSubVariableOp')]
+  if dtype == 'float64' or name.startswith('sgd'):
+    # The same formula, rounded the same way up to the kernel's own
+    # evaluation order: a few units in the last place.
+    rtol = 1e-12 if dtype == 'float64' else 1e-6
+    for a, b in zip(fused, keras_own):
+      np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol)
+  else:
+    # Float32 Adam: the kernel's 1 - beta_2 is 1.3e-5 below Keras' 0.001,
+    # so a step's change differs by up to 1e-5 of itself (here ~0.1).
+    for a, b in zip(fused, keras_own):
+      np.testing.assert_allclose(a, b, rtol=0, atol=3 * 0.1 * 1e-5)
+
+
+@pytest.mark.parametrize('make', [
+    lambda: keras.optimizers.Adam(0.1, amsgrad=True),
+    lambda: keras.optimizers.RMSprop(0.1),
+    lambda: type('MyAdam', (keras.optimizers.Adam,), {})(0.1),
+], ids=['amsgrad', 'rmsprop', 'subclass'])
+def test_other_updates_keep_the_optimizers_own_ops(make):
+  fused, graph = _Train(make, 'float32', fused=True)
+  keras_own, _ = _Train(make, 'float32', fused=False)
+  assert not [op for op in graph.get_operations()
+              if op.type.startswith('ResourceApply')]
+  for a, b in zip(fused, keras_own):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_sparse_gradient_keeps_keras_update_and_others_fuse():
+  with tf.device('/device:CPU:1'):
+    table = tf.Variable(tf.ones([5, 2]))
+    dense = tf.Variable(tf.ones([2]))
+  opt = keras.optimizers.Adam(0.1)
+  sparse = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3]),
+                            tf.constant([5, 2]))
+
+  @tf.function
+  def Step():
+    optimizer.ApplyGradients(opt, [(sparse, table), (tf.ones([2]), dense)])
+  Step()
+  types = [op.type for op in Step.get_concrete_function().graph
+           .get_operations()]
+  assert types.count('ResourceApplyAdam') == 1
+  # Keras densifies the sparse gradient: row 3 moves by Adam's first step.
+  np.testing.assert_allclose(table.numpy()[3], [0.9, 0.9], rtol=1e-5)
+  np.testing.assert_allclose(dense.numpy(), [0.9, 0.9], rtol=1e-5)
+
+
+def test_an_optimizer_built_in_the_trace_keeps_each_slot_with_its_variable():
+  # Keras colocates a slot with its variable only when built eagerly;
+  # built inside the trace, every slot went to the default device.
+  with tf.device('/device:CPU:1'):
+    variable = tf.Variable(tf.ones([3]))
+  opt = keras.optimizers.Adam(0.1)
+
+  @tf.function
+  def Step():
+    optimizer.ApplyGradients(opt, [(tf.ones([3]), variable)])
+  Step()
+  slots = [v for v in opt.variables if v.shape == variable.shape]
+  assert len(slots) == 2
+  for slot in slots:
+    assert slot.value.device == variable.device

@@ -331,7 +331,8 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm,
   @tf.function
   def Update(grads):
     optimizer_lib.ApplyGradients(optimizer, zip(grads, variables),
-                                 clip_norm=clip_gradient_norm)
+                                 clip_norm=clip_gradient_norm,
+                                 fused=optimizer_params.fused)
     return tf.constant(True)
   Update(gradients)
   peak, seconds = 0, float('inf')

@@ -268,7 +268,8 @@ class BaseTask:
         with placement.NoSingleReplicaAllReduce(self.optimizer):
           optimizer_lib.ApplyGradients(
               self.optimizer, zip(grads, variables),
-              clip_norm=self.p.train.clip_gradient_norm, norm=grad_norm)
+              clip_norm=self.p.train.clip_gradient_norm, norm=grad_norm,
+              fused=self.p.train.optimizer.fused)
         return tf.constant(True)
       if self.skip_non_finite_updates:
         tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(grad_norm), Apply,
