@@ -278,3 +278,15 @@ def test_an_optimizer_built_in_the_trace_keeps_each_slot_with_its_variable():
   assert len(slots) == 2
   for slot in slots:
     assert slot.value.device == variable.device
+
+
+def test_a_kernel_is_used_only_where_tensorflow_has_it():
+  # A device type without the kernel for a dtype keeps Keras' ops, which
+  # every device runs.
+  assert optimizer._HasKernel('ResourceApplyAdam', '/device:CPU:0',
+                              tf.float32)
+  assert not optimizer._HasKernel('ResourceApplyAdam', '/device:CPU:0',
+                                  tf.int32)
+  assert not optimizer._HasKernel('ResourceApplyAdam',
+                                  '/job:worker/task:1/device:NOSUCH:0',
+                                  tf.float32)

@@ -10,6 +10,7 @@ linear warmup over `warmup_steps` and then a constant, cosine, exponential or
 inverse-square-root decay. `step` is the 0-based optimizer step.
 """
 
+import functools
 import math
 
 import keras
@@ -274,10 +275,19 @@ class FusedUpdate:
             tf.as_dtype(variable.dtype) in self._DTYPES and
             all(hasattr(opt, slot) for slot in slots)):
       return False
-    # The kernel runs where its resources are, so they must be together.
+    # The kernel runs where its resources are, so they must be together,
+    # on a device that has it for this dtype.
     device = placement.TfVariable(variable).device
-    return all(self._Slot(getattr(opt, slot), variable).device == device
-               for slot in slots)
+    return (all(self._Slot(getattr(opt, slot), variable).device == device
+                for slot in slots) and
+            _HasKernel(self._KernelName(), device, variable.dtype))
+
+  def _KernelName(self):
+    opt = self.optimizer
+    if isinstance(opt, keras.optimizers.Adam):
+      return 'ResourceApplyAdam'
+    return ('ResourceApplyKerasMomentum' if opt.momentum != 0 else
+            'ResourceApplyGradientDescent')
 
   def Kernel(self, variable, learning_rate):
     """update_step's signature, run as the kernel; its scalars made now,
@@ -328,6 +338,29 @@ class FusedUpdate:
         var=placement.TfVariable(variable).handle,
         accum=self._Slot(opt.momentums, variable).handle, lr=lr,
         grad=gradient, momentum=momentum, use_nesterov=opt.nesterov)
+
+
+def _HasKernel(op_name, device, dtype):
+  """Whether TensorFlow has `op_name` for `dtype` on `device`'s type."""
+  device_type = tf.DeviceSpec.from_string(device or '').device_type
+  if not device_type:
+    return True  # Unknown here; TensorFlow places it with its variable.
+  return _KernelTypes(op_name, device_type) is None or (
+      tf.as_dtype(dtype).as_datatype_enum in _KernelTypes(op_name,
+                                                          device_type))
+
+
+@functools.lru_cache(maxsize=None)
+def _KernelTypes(op_name, device_type):
+  """The dtypes (enums) of op_name's kernels on device_type; None: unknown."""
+  try:
+    from tensorflow.python.framework import kernels  # pylint: disable=g-import-not-at-top,g-direct-tensorflow-import
+    registered = kernels.get_registered_kernels_for_op(op_name).kernel
+  except (ImportError, AttributeError):
+    return None
+  return frozenset(
+      t for k in registered if k.device_type == device_type
+      for c in k.constraint if c.name == 'T' for t in c.allowed_values.list.type)
 
 
 def _LastOps(ops):
