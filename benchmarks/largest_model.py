@@ -355,8 +355,8 @@ class Predictor:
       cell = layers.Range(0, len(layers), FLAGS.batch)
       peak = memory_model.WalkDevice(memory_model.MakeSchedule(step, 1), 0,
                                      lambda k, n: cell, step)
-      # Plain Keras keeps no gradient accumulators.
-      return [peak.peak_bytes - peak.accumulator_bytes], [len(layers)], [peak]
+      # With one micro-batch the walk counts no accumulators, as plain Keras.
+      return [peak.peak_bytes], [len(layers)], [peak]
     step = memory_model.StepConfig('1f1b', FLAGS.batch, FLAGS.batch, 'always')
     found = planner.MemoryBalancedCut(layers, NumCells(config), step)
     if found is None:

@@ -9,6 +9,8 @@ breakdown adds up; profiles interpolate affinely between sizes; and a
 schedule the walk does not model is refused by name.
 """
 
+import dataclasses
+
 import pytest
 
 from tfpipe.gpipe import memory_model
@@ -43,12 +45,38 @@ def _Peaks(num_cells, schedule, m, remat, batch=16):
 
 
 def test_resident_part_is_variables_accumulators_and_slots():
-  peak = _Peaks(1, 'gpipe', 1, 'always')[0]
+  peak = _Peaks(1, 'gpipe', 2, 'always')[0]
   assert (peak.variable_bytes, peak.accumulator_bytes,
           peak.optimizer_bytes) == (MIB, MIB, 2 * MIB)
+  assert peak.gradient_bytes == 0
+
+
+def test_one_micro_batch_has_no_accumulators_and_keeps_each_gradient():
+  # accumulators.ONLY: a B's weight gradients are its working set's, then
+  # live until the update; no buffer exists.
+  peak = _Peaks(1, 'gpipe', 1, 'always')[0]
+  assert peak.accumulator_bytes == 0
   # One cell: F and B run as one call, whose working set is the largest.
   assert peak.action == 'F0.0'
-  assert peak.peak_bytes == 4 * MIB + 2 * 16 * MIB
+  assert peak.peak_bytes == 3 * MIB + 2 * 16 * MIB
+  first, second = _Peaks(2, 'gpipe', 1, 'never')
+  assert first.action == 'B0.0' and first.gradient_bytes == 0
+  # Resident, F0.0's kept activations, then B's working set and the
+  # gradient it received; no accumulators.
+  assert first.peak_bytes == 3 * MIB + 16 * MIB + 16 * MIB + 16 * MIB // 8
+  # The update: the resident part, every gradient and its working set.
+  small = [memory_model.CellProfile([
+      dataclasses.replace(_Cell(n, k == 1), backward_peak={'never': 0},
+                          fused_peak=0, forward_peak={'never': 0},
+                          kept={'never': 0}, input_bytes=0, output_bytes=0,
+                          input_gradient_bytes=0, output_gradient_bytes=0,
+                          update_peak=3 * MIB)
+      for n in (1, 8)]) for k in range(2)]
+  update = memory_model.PredictPeaks(
+      small, memory_model.StepConfig('gpipe', 1, 16, 'never'))[0]
+  assert update.action == 'update'
+  assert update.gradient_bytes == MIB
+  assert update.peak_bytes == 3 * MIB + MIB + 3 * MIB
 
 
 def test_gpipe_without_remat_keeps_every_micro_batch():
@@ -91,7 +119,7 @@ def test_breakdown_adds_up_and_reads_well():
   for peak in _Peaks(3, '1f1b', 4, 'never'):
     parts = (peak.variable_bytes + peak.accumulator_bytes +
              peak.optimizer_bytes + peak.other_bytes + peak.batch_bytes +
-             peak.kept_bytes + peak.transient_bytes)
+             peak.gradient_bytes + peak.kept_bytes + peak.transient_bytes)
     assert parts == pytest.approx(peak.peak_bytes)
     assert peak.Describe().startswith(f'{peak.peak_bytes / MIB:.1f} MiB at ')
   lines = memory_model.PeakTable(_Peaks(2, 'gpipe', 1, 'never'),
