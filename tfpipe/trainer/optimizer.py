@@ -249,6 +249,15 @@ class FusedUpdate:
   def __init__(self, optimizer):
     self.optimizer = optimizer
     self._scalars = {}  # (dtype, id(learning rate)) -> scalar tensors
+    self._adam = isinstance(optimizer, keras.optimizers.Adam)
+    if self._adam:
+      self._kernel_name, self._slot_names = ('ResourceApplyAdam',
+                                             ('_momentums', '_velocities'))
+    elif optimizer.momentum != 0:
+      self._kernel_name, self._slot_names = ('ResourceApplyKerasMomentum',
+                                             ('momentums',))
+    else:
+      self._kernel_name, self._slot_names = 'ResourceApplyGradientDescent', ()
 
   @classmethod
   def For(cls, optimizer):
@@ -267,27 +276,16 @@ class FusedUpdate:
     """Whether the kernel updates `variable`; asked in update_step, once the
     optimizer has built its slots."""
     opt = self.optimizer
-    if isinstance(opt, keras.optimizers.Adam):
-      slots = ('_momentums', '_velocities')
-    else:
-      slots = ('momentums',) if opt.momentum != 0 else ()
     if not (isinstance(gradient, tf.Tensor) and
             tf.as_dtype(variable.dtype) in self._DTYPES and
-            all(hasattr(opt, slot) for slot in slots)):
+            all(hasattr(opt, slot) for slot in self._slot_names)):
       return False
     # The kernel runs where its resources are, so they must be together,
     # on a device that has it for this dtype.
     device = placement.TfVariable(variable).device
     return (all(self._Slot(getattr(opt, slot), variable).device == device
-                for slot in slots) and
-            _HasKernel(self._KernelName(), device, variable.dtype))
-
-  def _KernelName(self):
-    opt = self.optimizer
-    if isinstance(opt, keras.optimizers.Adam):
-      return 'ResourceApplyAdam'
-    return ('ResourceApplyKerasMomentum' if opt.momentum != 0 else
-            'ResourceApplyGradientDescent')
+                for slot in self._slot_names) and
+            _HasKernel(self._kernel_name, device, variable.dtype))
 
   def Kernel(self, variable, learning_rate):
     """update_step's signature, run as the kernel; its scalars made now,
@@ -298,14 +296,14 @@ class FusedUpdate:
     if key not in self._scalars:
       self._scalars[key] = self._Scalars(dtype, learning_rate)
     scalars = self._scalars[key]
-    if isinstance(self.optimizer, keras.optimizers.Adam):
+    if self._adam:
       return lambda g, v, unused_lr: self._Adam(g, v, **scalars)
     return lambda g, v, unused_lr: self._Sgd(g, v, **scalars)
 
   def _Scalars(self, dtype, learning_rate):
     opt = self.optimizer
     lr = tf.cast(learning_rate, dtype)
-    if isinstance(opt, keras.optimizers.Adam):
+    if self._adam:
       # Rounded as Keras rounds them: its powers start from the betas cast
       # through float32, its (1 - beta) and epsilon from Python's floats.
       step = tf.cast(opt.iterations + 1, dtype)
