@@ -185,9 +185,10 @@ class CappedWorkers:
     return [(k, status) for k, status in statuses if status is not None]
 
   def Refusals(self, k):
-    """The allocations worker k's allocator refused (OutOfMemoryRecords),
-    from its report: for a worker that exited, whether it ran out of
-    memory."""
+    """The records of the allocations worker k's allocator refused
+    (OutOfMemoryRecords: each refusal as logged, then the error's full
+    record where one followed), from its report: for a worker that exited,
+    whether it ran out of memory."""
     from tfpipe import out_of_memory_reports  # pylint: disable=g-import-not-at-top
     name, address = self._tasks[k]
     return out_of_memory_reports.LocalReport(name, address)

@@ -66,12 +66,15 @@ def test_a_workers_report_outlives_a_crash_after_a_refused_allocation():
   try:
     assert proc.returncode == -signal.SIGABRT, proc.stderr
     assert path == out_of_memory_reports.ReportPath('worker', 0, f'127.0.0.1:{port}')
-    assert out_of_memory_reports.LocalReport('/job:worker/task:0',
-                                     f'127.0.0.1:{port}') == [
-        out_of_memory.OutOfMemoryRecord(
-            device='', shape='?', dtype='?',
-            allocator='bfc_cpu_allocator_for_gpu', op='', requested='16B',
-            crashed=True)]
+    # The refusal as it was logged, then, once the log ended, the crash.
+    crashed = out_of_memory.OutOfMemoryRecord(
+        device='', shape='?', dtype='?',
+        allocator='bfc_cpu_allocator_for_gpu', op='', requested='16B',
+        crashed=True)
+    report = out_of_memory_reports.LocalReport('/job:worker/task:0',
+                                               f'127.0.0.1:{port}')
+    assert report == [crashed._replace(crashed=False), crashed]
+    assert out_of_memory.MostTelling(report)[0] == crashed
     # The warning is hidden, as the user did not ask for warnings; the
     # worker's own last words are not.
     assert proc.stderr.splitlines()[-1:] == ["a line of the worker's own"]

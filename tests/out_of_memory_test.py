@@ -74,9 +74,14 @@ def test_a_watch_keeps_records_and_hides_only_unasked_warnings():
                         cwd=quiet_test.ROOT, capture_output=True, text=True,
                         timeout=60, check=False)
   assert proc.returncode == 0, proc.stderr
-  [record] = json.loads(proc.stdout)
+  # The refusal, kept as it was logged, then the error's full record.
+  refusal, record = json.loads(proc.stdout)
+  assert (refusal['shape'], refusal['requested']) == ('?', '1.00MiB')
+  assert not refusal['crashed']
   assert record['shape'] == '512,512'
   assert record['op'].endswith('MatMul_1')
+  records = [out_of_memory.OutOfMemoryRecord(**r) for r in (refusal, record)]
+  assert out_of_memory.MostTelling(records)[0].shape == '512,512'
   assert proc.stderr.splitlines() == [
       'E0000 00:00:1.0 12 grpc_util.h:104] an error record',
       "a line of the program's own", 'a partial line without a newline']
@@ -91,3 +96,53 @@ def test_keep_warnings_respects_a_level_the_user_set(monkeypatch):
   assert out_of_memory.LOG_LEVEL_ENV not in os.environ
   assert out_of_memory.KeepWarnings(False)
   assert os.environ[out_of_memory.LOG_LEVEL_ENV] == '1'
+
+
+_REFUSED_THEN_OTHER_ERROR = r"""
+import json, os, sys, time
+from tfpipe import out_of_memory
+watch = out_of_memory.StderrWatch(hide_warnings=True).Start()
+os.write(2, sys.argv[1].encode() + b"\n")
+os.write(2, b"W0000 00:00:1.0 12 remote_tensor_handle_data.cc:81] Unable to "
+            b"destroy remote tensor handles: Unable to parse tensor proto\n")
+deadline = time.time() + 20
+while not watch.Records() and time.time() < deadline:
+  time.sleep(0.05)
+before_stop = watch.Records()
+watch.Stop()
+print(json.dumps([[r._asdict() for r in rs]
+                  for rs in (before_stop, watch.Records())]))
+"""
+
+
+def test_a_refusal_that_no_oom_error_follows_is_kept_at_once():
+  """A worker that cannot allocate a tensor sent to it logs the refusal
+  (for no op), then fails as 'Unable to parse tensor proto', and runs on:
+  the refusal is the only sign of memory, and must be readable while the
+  worker still runs."""
+  refusal_line = RAN_OUT_LINE.replace('1.00MiB (rounded to 1048576)',
+                                      '4B (rounded to 256)').split(
+                                          'requested by op ')[0] + (
+                                              'requested by op ')
+  proc = subprocess.run(
+      [sys.executable, '-c', _REFUSED_THEN_OTHER_ERROR, refusal_line],
+      cwd=quiet_test.ROOT, capture_output=True, text=True, timeout=60,
+      check=False)
+  assert proc.returncode == 0, proc.stderr
+  before_stop, after_stop = json.loads(proc.stdout)
+  assert before_stop == after_stop  # Stopping adds no crash record.
+  [record] = before_stop
+  assert (record['shape'], record['requested'], record['op']) == ('?', '4B',
+                                                                  '')
+  assert record['allocator'] == 'bfc_cpu_allocator_for_gpu'
+  assert not record['crashed']
+
+
+def test_the_most_telling_record_comes_first():
+  refusal = out_of_memory.OutOfMemoryRecord('', '?', '?', 'bfc', '', '4B')
+  crashed = refusal._replace(op='fc/MatMul', crashed=True)
+  full = out_of_memory.OutOfMemoryRecord('/CPU:0', '8,8', 'float', 'bfc',
+                                         'fc/MatMul', '256B')
+  assert out_of_memory.MostTelling([refusal, crashed, full]) == [
+      full, crashed, refusal]
+  assert out_of_memory.MostTelling([refusal, refusal]) == [refusal, refusal]

@@ -25,7 +25,11 @@ The allocator's own warning is then the last thing the process logs, with
 no 'OOM when allocating' record after it. So the reader runs in its own
 process, which outlives the crash long enough to write what the pipe still
 holds, and a refusal left unpaired when the log ends becomes a record of
-its own (`crashed`), which `on_crash` gets.
+its own (`crashed`), which `on_crash` gets. Nor does a refusal always end
+in an out-of-memory error: a tensor sent by another process that its
+worker cannot allocate fails as 'Unable to parse tensor proto'. So every
+refusal is kept as soon as it is logged, and a reader takes the record
+that says the most (`MostTelling`).
 """
 
 import collections
@@ -67,9 +71,12 @@ class OutOfMemoryRecord(collections.namedtuple(
                           'requested', 'crashed'], defaults=[False])):
   """One failed allocation: where, of what, for which op (when known).
 
-  `crashed`: only the allocator's refusal was logged, and then the log
-  ended (the process crashed before any error was raised); the shape and
-  dtype are then unknown ('?').
+  A record whose shape and dtype are unknown ('?') is an allocator's
+  refusal alone: kept as soon as it is logged, because no 'OOM when
+  allocating' record need follow it (a tensor that arrives from another
+  process and cannot be allocated fails as 'Unable to parse tensor proto').
+  `crashed`: that refusal was the last thing the process logged (it crashed
+  before any error was raised).
   """
 
   def Describe(self):
@@ -89,8 +96,8 @@ class OutOfMemoryRecord(collections.namedtuple(
 
 
 def _Refusal(text):
-  """The record of an allocator's refusal that no error followed (the
-  device is the reporting worker's, filled in by whoever reads it)."""
+  """The record of an allocator's refusal, as if the log ended after it
+  (the device is the reporting worker's, filled in by whoever reads it)."""
   ran_out = _RAN_OUT.search(text)
   allocator = _ALLOCATOR.search(text)
   return OutOfMemoryRecord(
@@ -98,6 +105,13 @@ def _Refusal(text):
       allocator=allocator.group(1) if allocator else '',
       op=ran_out.group(2) if ran_out else '',
       requested=ran_out.group(1) if ran_out else '', crashed=True)
+
+
+def MostTelling(records):
+  """`records`, those that say the most first: a failed allocation's full
+  record, then a refusal after which the process crashed, then a refusal
+  alone (OutOfMemoryRecord)."""
+  return sorted(records, key=lambda r: (r.shape == '?', not r.crashed))
 
 
 def _Restated(record, last):
@@ -265,6 +279,8 @@ class StderrWatch:
         os.write(2, _STOPPED)  # The reader's sign that nothing crashed.
       except OSError:
         pass
+    else:
+      self._stopped = True  # The reading thread's: this process lives on.
     os.dup2(self._saved, 2)  # Closes the pipe's last write end.
     if self._child is not None:
       _WaitFor(self._child, 5.0)
@@ -298,11 +314,12 @@ class StderrWatch:
         self._Line(line + b'\n')
     if buffer:
       self._Line(buffer)
-    if self._pending_op:  # A refusal, then nothing: the process crashed.
-      record = _Refusal(self._pending_op)._replace(crashed=not self._stopped)
+    if self._pending_op and not self._stopped:
+      # A refusal, then nothing: the process crashed.
+      record = _Refusal(self._pending_op)
       self._Keep(record)
       self._pending_op = ''
-      if record.crashed and self._on_crash:
+      if self._on_crash:
         self._on_crash(record)
     os.close(self._read)
 
@@ -321,6 +338,7 @@ class StderrWatch:
     ran_out = _RAN_OUT.search(text)
     if ran_out:
       self._pending_op = text
+      self._Keep(_Refusal(text)._replace(crashed=False))
     elif _OOM.search(text):
       for record in ParseRecords(self._pending_op + text):
         if not _Restated(record, self.records[-1:]):

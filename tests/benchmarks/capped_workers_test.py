@@ -75,5 +75,8 @@ def test_each_worker_has_its_own_limit_and_memory():
   # bytes, plus a live 256-byte scalar, was measured); the freed 2 MiB on
   # top of it would be 3 MiB or more.
   assert mib <= out['current'][0] < 3 * mib
+  # Worker 1's report: the allocator's refusal as it was logged (no device
+  # or shape yet), then the error's full record.
   assert out['refusals'] == [
-      [], [['/job:worker/replica:0/task:1/device:CPU:0', '1024,3072']]]
+      [], [['', '?'],
+           ['/job:worker/replica:0/task:1/device:CPU:0', '1024,3072']]]

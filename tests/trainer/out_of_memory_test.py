@@ -15,6 +15,8 @@ allocator refused memory (it crashed then), and only then.
 import hashlib
 import os
 
+import pytest
+
 from tests import quiet_test
 from tfpipe import memory_limit
 from tfpipe import model_registry
@@ -139,6 +141,47 @@ def test_a_lost_worker_whose_report_shows_a_refusal_ran_out_of_memory(
   assert '--num_partitions=4' in message
   assert message.endswith('The last good checkpoint, /l/checkpoints/ckpt-20, '
                           'is kept.')
+
+
+@pytest.mark.parametrize('answers', [True, False],
+                         ids=['worker-answers', 'read-from-disk'])
+def test_a_workers_refusal_explains_an_error_that_does_not_say_memory(
+    answers, tmp_path, monkeypatch):
+  """A tensor sent to a worker that cannot allocate it fails the step as
+  'Unable to parse tensor proto'; the worker's report holds only its
+  allocator's refusal (for no op), and that is enough. A worker out of
+  memory may not answer (its reply needs memory): then its report is read
+  from this host's disk."""
+  monkeypatch.setattr(oom_reports, 'ReportPath', lambda job, task, address: str(
+      tmp_path / f'{job}-{task}-{address.rsplit(":", 1)[1]}.jsonl'))
+  refusal = oom_lib.OutOfMemoryRecord('', '?', '?', 'bfc_cpu_allocator_for_gpu',
+                                      '', '4B', crashed=False)
+  diagnosis = out_of_memory.Diagnosis(
+      _Params(num_micro_batches=4, remat_policy='always'),
+      ['/job:worker/replica:0/task:0/device:CPU:0',
+       '/job:worker/replica:0/task:1/device:CPU:0'], limit_mb=25,
+      workers=[('/job:worker/task:0', '127.0.0.1:2222'),
+               ('/job:worker/task:1', '127.0.0.1:2223')])
+  if answers:
+    monkeypatch.setattr(oom_reports, 'AskWorkers', lambda workers, since: {
+        '/job:worker/task:1': [refusal]})
+  else:
+    monkeypatch.setattr(oom_reports, 'AskWorkers',
+                        lambda workers, since: {})
+  # Written during the run (a report from before it would be stale).
+  oom_reports.WorkerReport('worker', 1, '127.0.0.1:2223')._Write(refusal)  # pylint: disable=protected-access
+  error = ValueError('pipe: cell 1 (cell1) failed on the pipeline input. '
+                     'Cause: InvalidArgumentError: Unable to parse tensor '
+                     'proto')
+  stop = diagnosis.Check(error)
+  assert isinstance(stop, out_of_memory.OutOfMemoryStop)
+  assert str(stop).startswith(
+      'Out of memory on /job:worker/replica:0/task:1/device:CPU:0, which '
+      'runs cell1 (block_1, final_ln, logits): it could not allocate 4B.')
+  assert 'Its limit is 25 MiB' in str(stop)
+  monkeypatch.setattr(oom_reports, 'AskWorkers', lambda workers, since: {})
+  os.remove(oom_reports.ReportPath('worker', 1, '127.0.0.1:2223'))
+  assert diagnosis.Check(error) is None  # No refusal: not out of memory.
 
 
 def test_advice_leaves_out_what_is_already_set():

@@ -145,11 +145,26 @@ class Diagnosis:
     if not records and self.watch is not None:
       records = self.watch.Records()
     if not records and self.workers:
-      for found in out_of_memory_reports.AskWorkers(self.workers, self.since).values():
-        records.extend(found)
+      # A worker out of memory may not answer the question (its reply needs
+      # memory): one on this host is read from the disk instead.
+      answers = out_of_memory_reports.AskWorkers(self.workers, self.since)
+      for task_name, address in self.workers:
+        found = answers.get(task_name) or out_of_memory_reports.LocalReport(
+            task_name, address, self.since)
+        records.extend(self._OnTask(record, task_name) for record in found)
     if not records and out_of_memory.IsOutOfMemoryError(error):
       records = [out_of_memory.OutOfMemoryRecord('', '?', '?', '', '', '')]
-    return records
+    return out_of_memory.MostTelling(records)
+
+  def _OnTask(self, record, task_name):
+    """`record`, with the device of task `task_name` where it names none (a
+    refusal alone names none: the worker's own log does not say which)."""
+    if record.device:
+      return record
+    on_task = sorted({d for d in self.devices
+                      if _TaskOf(d) == _TaskOf(task_name)})
+    return record._replace(
+        device=on_task[0] if len(on_task) == 1 else task_name)
 
   def Check(self, error):
     """An OutOfMemoryStop describing `error`, or None if it was not one."""
@@ -166,15 +181,11 @@ class Diagnosis:
     (tfpipe.out_of_memory): the controller then sees a worker that stopped
     answering, and only the report it left says why.
     """
-    records = out_of_memory_reports.LocalReport(task_name, address, self.since)
+    records = out_of_memory.MostTelling(
+        out_of_memory_reports.LocalReport(task_name, address, self.since))
     if not records:
       return None
-    record = records[0]
-    if not record.device:
-      on_task = sorted({d for d in self.devices
-                        if _TaskOf(d) == _TaskOf(task_name)})
-      record = record._replace(
-          device=on_task[0] if len(on_task) == 1 else task_name)
+    record = self._OnTask(records[0], task_name)
     message = self.Message(record, crashed=record.crashed and (
         f'{task_name} at {address}'), predict_within_s=PREDICT_WITHIN_S)
     return message, EXIT_OUT_OF_MEMORY
