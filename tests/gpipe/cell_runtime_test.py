@@ -97,21 +97,73 @@ print('RESULT' + json.dumps([Peak('gpipe', 1, 512), Peak('1f1b', 8, 4096)]))
 '''
 
 
-def test_one_cell_1f1b_keeps_one_micro_batch_at_a_time():
-  """K=1, M=8: each 1F1B action is a fused F+B+W; its peak stays that of
-  one micro-batch trained alone, not of several at once (a second one
-  adds about half)."""
+def _ResultOf(script):
+  """What `script` prints after RESULT (JSON), run in a process of its own
+  whose CPU allocator counts its peak (TF_CPU_ALLOCATOR_USE_BFC)."""
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true',
              TF_CPP_MIN_LOG_LEVEL='2')
-  proc = subprocess.run([sys.executable, '-c', _ONE_CELL_PEAK], env=env,
+  proc = subprocess.run([sys.executable, '-c', script], env=env,
                         capture_output=True, text=True, timeout=240,
                         check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT')]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-  one_micro_batch_peak, one_f_one_b_peak = json.loads(
-      lines[-1][len('RESULT'):])
+  return json.loads(lines[-1][len('RESULT'):])
+
+
+def test_one_cell_1f1b_keeps_one_micro_batch_at_a_time():
+  """K=1, M=8: each 1F1B action is a fused F+B+W; its peak stays that of
+  one micro-batch trained alone, not of several at once (a second one
+  adds about half)."""
+  one_micro_batch_peak, one_f_one_b_peak = _ResultOf(_ONE_CELL_PEAK)
   assert one_f_one_b_peak <= 1.15 * one_micro_batch_peak, (
       one_f_one_b_peak, one_micro_batch_peak)
+
+
+_ACCUMULATING_PEAK = r"""
+import json, sys
+import tensorflow as tf
+from tfpipe import gpipe, layers
+
+def Peak(remat_policy):
+  # Large weights, small activations: a backward's weight gradients (8 x 1
+  # MiB) dominate.
+  params = [layers.FCLayer.Params().Set(
+      name=f'fc{i}', input_dims=512, output_dims=512, activation='tanh',
+      random_seed=i) for i in range(8)]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name=f'pipe_{remat_policy}',
+      cell_tpl=gpipe.PartitionSequentialLayers(params, 1, balance='params'),
+      num_micro_batches=4, schedule='gpipe', remat_policy=remat_policy,
+      devices=['/CPU:0'], executor='graph').Instantiate()
+  x = tf.random.stateless_normal([16, 512], seed=[1, 2])
+  loss = lambda out, unused: tf.reduce_mean(tf.square(out))
+  pipe.ComputeLossAndGradients(x, None, loss)
+  peaks = []
+  for _ in range(3):
+    out = None
+    tf.config.experimental.reset_memory_stats('CPU:0')
+    before = tf.config.experimental.get_memory_info('CPU:0')['current']
+    out = pipe.ComputeLossAndGradients(x, None, loss)
+    float(out.loss)
+    peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'] -
+                 before)
+  weights = sum(v.numpy().nbytes for v in pipe.trainable_variables)
+  return max(peaks), weights
+
+print('RESULT' + json.dumps([Peak('never'), Peak('always')]))
+"""
+
+
+def test_a_backward_adds_each_weight_gradient_as_it_is_made():
+  """One process, one graph, M=4: each B adds its weight gradients to the
+  accumulators as they are made, so a step holds about one layer's
+  gradient beyond the accumulators, not the cell's (on a GPU, and on
+  logical CPUs, a B that returned its gradients all at once held them all:
+  the memory model's peak was short by the cell's weights)."""
+  for peak, weights in _ResultOf(_ACCUMULATING_PEAK):
+    # A few layers' gradients in flight (2.2-3.3 MiB of 8 MiB), not all of
+    # a B's at once (9.7 MiB without remat, before they were imported).
+    assert peak < 0.5 * weights, (peak, weights)

@@ -78,11 +78,14 @@ class Part:
 
   Feeds and fetches are names of the traced graph's tensors; weight
   gradients are the last `num_weight_gradients` fetches, flattened.
+  `body`: the FuncGraph of the part's own ops, which `function` calls (to
+  import them instead: ImportCall).
   """
   function: object
   feeds: List[str]
   fetches: List[str]
   num_weight_gradients: int = 0
+  body: object = None
 
 
 # Graph elements are compared by name: Python wrappers of graph tensors are
@@ -146,8 +149,8 @@ def _Stateful(op):
 
 
 def _Extract(graph, graph_def, feeds, fetches, targets, name, device):
-  """A concrete function computing `fetches` (and running `targets` ops) of
-  `graph` from `feeds` only.
+  """(A concrete function computing `fetches` (and running `targets` ops) of
+  `graph` from `feeds` only, the FuncGraph of the ops it calls).
 
   The whole graph is imported with the feeds rewired to the function's
   inputs, and what the fetches do not need is pruned, so nothing upstream
@@ -191,7 +194,41 @@ def _Extract(graph, graph_def, feeds, fetches, targets, name, device):
   def Call(*args):
     return pruned(*args)
   return tf.function(Call, input_signature=specs,
-                     autograph=False).get_concrete_function()
+                     autograph=False).get_concrete_function(), pruned.graph
+
+
+def ImportCall(function, args, name, body=None):
+  """`function(*args)` (a ConcreteFunction) as its ops, imported (Import):
+  its outputs in their structure (IndexedSlices rebuilt, None kept).
+  `body`: the FuncGraph whose ops `function` calls, if it only calls them
+  (a Part's)."""
+  flat = iter(Import(body or function.graph, args, name))
+  structure = tf.nest.flatten(function.structured_outputs,
+                              expand_composites=True)
+  return tf.nest.pack_sequence_as(
+      function.structured_outputs,
+      [None if t is None else next(flat) for t in structure],
+      expand_composites=True)
+
+
+def Import(graph, args, name):
+  """The outputs of FuncGraph `graph`, its ops imported into the graph being
+  built, on `args` (and on its captures, captured again here).
+
+  Where a call of `graph`'s function would stay a call (inside a call that
+  stays one), every output exists only once the whole call returns: an
+  accumulating backward then held all of its cell's weight gradients at
+  once before adding the first. Imported, each output is an op's, and what
+  consumes it runs as soon as it exists.
+  """
+  current = tf.compat.v1.get_default_graph()
+  num_args = len(graph.inputs) - len(graph.captures)
+  input_map = {t.name: a for t, a in zip(graph.inputs[:num_args], args)}
+  for external, internal in graph.captures:
+    input_map[internal.name] = current.capture(external)
+  return tf.graph_util.import_graph_def(
+      graph.as_graph_def(), input_map=input_map,
+      return_elements=[t.name for t in graph.outputs], name=name)
 
 
 class SplitProgram:
@@ -281,8 +318,9 @@ class SplitProgram:
       feeds, fetches, targets, num_weights = self._plans[kind]
       if self._graph_def is None:
         self._graph_def = self._graph.as_graph_def()
-      function = _Extract(self._graph, self._graph_def, feeds, fetches,
-                          targets, f'{self._name}_{kind}', self._device)
+      function, body = _Extract(self._graph, self._graph_def, feeds,
+                                fetches, targets, f'{self._name}_{kind}',
+                                self._device)
       self._parts[kind] = Part(function, [t.name for t in feeds],
-                               [t.name for t in fetches], num_weights)
+                               [t.name for t in fetches], num_weights, body)
     return self._parts[kind]
