@@ -24,10 +24,16 @@ step() {  # name limit command...
   return $rc
 }
 { nvidia-smi -L; nproc; lscpu | grep -E 'Model name|^CPU\(s\)|L2|L3'; } >> $LOG 2>&1
+# Adam's and SGD's fused kernels (trainer/optimizer.py) on the GPU: the
+# tests' unplaced variables go to GPU:0, so each kernel runs there.
+step fused_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/trainer/optimizer_test.py
 step readme 150 python3 -m tfpipe.trainer --model=lm.TinyTransformerLm --logdir=/tmp/tfpipe_lm
 # About 10 s per configuration on the H200 (tracing dominates).
 step mma_gpu 300 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=transformer_lm,mlp \
   --num_cells=4 --remat_policies=always,never --output_json=$OUT/mma_gpu.json
+# The MLP's other configurations (the LM's 12 ran on 2026-11-26).
+step mma_gpu_mlp 200 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=mlp \
+  --num_cells=4 --output_json=$OUT/mma_gpu_mlp.json
 step oom_gpu 120 python3 -m tfpipe.trainer --model=lm.SmallTransformerLm --logdir=/tmp/oom --num_partitions=2 \
   --num_micro_batches=1 --remat_policy=never --logical_gpu_memory_mb=40 --max_steps=2
 step inspect_gpu 60 python3 -m tfpipe.trainer --model=lm.SmallTransformerLm --mode=inspect_model --num_partitions=2 \
