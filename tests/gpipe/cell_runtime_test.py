@@ -60,26 +60,26 @@ def test_records_say_what_a_micro_batch_keeps():
                     (plt_test.BATCH, plt_test.DIM)] * 3
 
 
-_ONE_CELL_PEAK = r'''
-import json, sys
+_STEP_PEAK = r"""
+import json
 import tensorflow as tf
-# One op at a time: the peak is then the schedule's, not the executor's
-# interleaving of two ops (which moves it by a few activations).
-tf.config.threading.set_inter_op_parallelism_threads(1)
 from tfpipe import gpipe, layers
 
-def Peak(schedule, num_micro_batches, batch):
-  # Small weights, large activations: a micro-batch's activations (8 x 128
-  # KiB) dominate, not the gradients (8 x 16 KiB).
+def Pipe(dim, num_micro_batches, schedule, remat_policy):
+  # One cell of 8 FC(dim) tanh layers, on /CPU:0, one graph per step.
   params = [layers.FCLayer.Params().Set(
-      name=f'fc{i}', input_dims=64, output_dims=64, activation='tanh',
+      name=f'fc{i}', input_dims=dim, output_dims=dim, activation='tanh',
       random_seed=i) for i in range(8)]
-  pipe = gpipe.PipeliningLayer.Params().Set(
-      name=f'{schedule}{num_micro_batches}',
+  return gpipe.PipeliningLayer.Params().Set(
+      name=f'{schedule}{num_micro_batches}_{remat_policy}',
       cell_tpl=gpipe.PartitionSequentialLayers(params, 1, balance='params'),
       num_micro_batches=num_micro_batches, schedule=schedule,
-      remat_policy='always', devices=['/CPU:0'], executor='graph').Instantiate()
-  x = tf.random.stateless_normal([batch, 64], seed=[1, 2])
+      remat_policy=remat_policy, devices=['/CPU:0'],
+      executor='graph').Instantiate()
+
+def StepPeak(pipe, batch, dim):
+  # Bytes above a step's start at its peak, the largest of 3 steps.
+  x = tf.random.stateless_normal([batch, dim], seed=[1, 2])
   loss = lambda out, unused: tf.reduce_mean(tf.square(out))
   pipe.ComputeLossAndGradients(x, None, loss)
   peaks = []
@@ -92,9 +92,18 @@ def Peak(schedule, num_micro_batches, batch):
                  before)
     del out
   return max(peaks)
+"""
 
-print('RESULT' + json.dumps([Peak('gpipe', 1, 512), Peak('1f1b', 8, 4096)]))
-'''
+_ONE_CELL_PEAK = _STEP_PEAK + r"""
+# One op at a time: the peak is then the schedule's, not the executor's
+# interleaving of two ops (which moves it by a few activations).
+tf.config.threading.set_inter_op_parallelism_threads(1)
+# Small weights, large activations: a micro-batch's activations (8 x 128
+# KiB) dominate, not the gradients (8 x 16 KiB).
+print('RESULT' + json.dumps([
+    StepPeak(Pipe(64, 1, 'gpipe', 'always'), 512, 64),
+    StepPeak(Pipe(64, 8, '1f1b', 'always'), 4096, 64)]))
+"""
 
 
 def _ResultOf(script):
@@ -122,38 +131,16 @@ def test_one_cell_1f1b_keeps_one_micro_batch_at_a_time():
       one_f_one_b_peak, one_micro_batch_peak)
 
 
-_ACCUMULATING_PEAK = r"""
-import json, sys
-import tensorflow as tf
-from tfpipe import gpipe, layers
+_ACCUMULATING_PEAK = _STEP_PEAK + r"""
+# Large weights, small activations: a backward's weight gradients (8 x 1
+# MiB) dominate.
+def PeakAndWeights(remat_policy):
+  pipe = Pipe(512, 4, 'gpipe', remat_policy)
+  return (StepPeak(pipe, 16, 512),
+          sum(v.numpy().nbytes for v in pipe.trainable_variables))
 
-def Peak(remat_policy):
-  # Large weights, small activations: a backward's weight gradients (8 x 1
-  # MiB) dominate.
-  params = [layers.FCLayer.Params().Set(
-      name=f'fc{i}', input_dims=512, output_dims=512, activation='tanh',
-      random_seed=i) for i in range(8)]
-  pipe = gpipe.PipeliningLayer.Params().Set(
-      name=f'pipe_{remat_policy}',
-      cell_tpl=gpipe.PartitionSequentialLayers(params, 1, balance='params'),
-      num_micro_batches=4, schedule='gpipe', remat_policy=remat_policy,
-      devices=['/CPU:0'], executor='graph').Instantiate()
-  x = tf.random.stateless_normal([16, 512], seed=[1, 2])
-  loss = lambda out, unused: tf.reduce_mean(tf.square(out))
-  pipe.ComputeLossAndGradients(x, None, loss)
-  peaks = []
-  for _ in range(3):
-    out = None
-    tf.config.experimental.reset_memory_stats('CPU:0')
-    before = tf.config.experimental.get_memory_info('CPU:0')['current']
-    out = pipe.ComputeLossAndGradients(x, None, loss)
-    float(out.loss)
-    peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'] -
-                 before)
-  weights = sum(v.numpy().nbytes for v in pipe.trainable_variables)
-  return max(peaks), weights
-
-print('RESULT' + json.dumps([Peak('never'), Peak('always')]))
+print('RESULT' + json.dumps([PeakAndWeights('never'),
+                             PeakAndWeights('always')]))
 """
 
 

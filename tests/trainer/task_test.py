@@ -174,16 +174,20 @@ def _NoPlacement(monkeypatch):
   monkeypatch.setattr(placement, 'OnVariableDevices', lambda ts, vs: list(ts))
 
 
-@pytest.mark.parametrize('executor', ['graph', 'threads'])
+@pytest.mark.parametrize('executor,remat_policy', [
+    ('graph', 'always'), ('graph', 'never'), ('threads', 'always')])
 def test_train_step_places_every_op_on_its_cells_device(executor,
+                                                        remat_policy,
                                                         monkeypatch):
   """The placement audit: what the trainer traces has no op left unplaced.
 
   Logical CPUs share one allocator, so a misplaced update costs nothing
-  here and runs out of memory on GPU:0; the audit reads the traced graphs.
+  here and runs out of memory on GPU:0; the audit reads the traced graphs
+  (with and without remat: a backward's ops are imported into the call
+  that accumulates its gradients, whole or cut).
   """
   p = _MlpTaskParams(4, 3)
-  p.pipeline.executor = executor
+  p.pipeline.Set(executor=executor, remat_policy=remat_policy)
   task = p.Instantiate()
   inputs, targets = next(iter(_Input().GetDataset(0)))
   pipe_step = lambda x, y: task.pipe._CompiledStep(  # pylint: disable=protected-access
