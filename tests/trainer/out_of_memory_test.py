@@ -16,12 +16,14 @@ import hashlib
 import os
 
 import pytest
+import tensorflow as tf
 
 from tests import quiet_test
 from tfpipe import memory_limit
 from tfpipe import model_registry
 from tfpipe import out_of_memory as oom_lib
 from tfpipe import out_of_memory_reports as oom_reports
+from tfpipe.trainer import checkpoint_keeper
 from tfpipe.trainer import out_of_memory
 from tfpipe.trainer import train_loop
 
@@ -182,6 +184,47 @@ def test_a_workers_refusal_explains_an_error_that_does_not_say_memory(
   monkeypatch.setattr(oom_reports, 'AskWorkers', lambda workers, since: {})
   os.remove(oom_reports.ReportPath('worker', 1, '127.0.0.1:2223'))
   assert diagnosis.Check(error) is None  # No refusal: not out of memory.
+
+
+class _RestoreRunsOutOfMemory:
+  """A tf.train.Checkpoint whose restore fails as a full device does."""
+
+  def __init__(self, checkpoint):
+    self.save_counter = checkpoint.save_counter
+
+  def restore(self, unused_path):
+    raise tf.errors.ResourceExhaustedError(
+        None, None, 'OOM when allocating tensor with shape[256,1024] and type '
+        'float on /job:worker/replica:0/task:1/device:CPU:0 by allocator '
+        'bfc_cpu_allocator_for_gpu')
+
+
+def test_a_restore_that_runs_out_of_memory_is_not_called_a_misfit(tmp_path):
+  """The keeper calls any failed restore a checkpoint that does not fit;
+  when a device ran out of memory the run must say that instead (and
+  status 4), while a real misfit still stops as one."""
+  checkpoint = tf.train.Checkpoint(v=tf.Variable(tf.ones([4])))
+  keeper = checkpoint_keeper.CheckpointKeeper(checkpoint, str(tmp_path), 2)
+  keeper.save(1)
+  diagnosis = out_of_memory.Diagnosis(
+      _Params(num_micro_batches=4, remat_policy='always'),
+      ['/job:worker/replica:0/task:0/device:CPU:0',
+       '/job:worker/replica:0/task:1/device:CPU:0'], limit_mb=25)
+  full = checkpoint_keeper.CheckpointKeeper(
+      _RestoreRunsOutOfMemory(checkpoint), str(tmp_path), 2)
+  with pytest.raises(checkpoint_keeper.CheckpointMismatchError) as raised:
+    full.RestoreNewest()
+  stop = diagnosis.Stop(raised.value, train_loop.STOP_ERRORS)
+  assert isinstance(stop, out_of_memory.OutOfMemoryStop)
+  assert str(stop).startswith(
+      'Out of memory on /job:worker/replica:0/task:1/device:CPU:0, which '
+      'runs cell1 (block_1, final_ln, logits): it could not allocate a '
+      'tensor of shape [256,1024] (float).')
+  misfit = checkpoint_keeper.CheckpointMismatchError(
+      str(tmp_path / 'ckpt-1'), 'Shapes [4] and [5] are incompatible.')
+  assert diagnosis.Stop(misfit, train_loop.STOP_ERRORS) is misfit
+  assert diagnosis.Stop(ValueError('shapes differ'),
+                        train_loop.STOP_ERRORS) is None
 
 
 def test_advice_leaves_out_what_is_already_set():

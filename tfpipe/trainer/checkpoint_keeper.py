@@ -212,7 +212,9 @@ class CheckpointKeeper:
       except (ValueError, AssertionError, tf.errors.OpError) as e:
         if status is not None:
           status.expect_partial()  # The error says it; TF would say it again.
-        raise CheckpointMismatchError(path, _FirstLine(e)) from None
+        # Chained: the cause may be a device out of memory, not a misfit
+        # (the trainer's out-of-memory diagnosis reads it).
+        raise CheckpointMismatchError(path, _FirstLine(e)) from e
       self._kept = [n for n in numbers if n <= number]
       if not read_only:
         for bad, _ in rejected:

@@ -166,6 +166,19 @@ class Diagnosis:
     return record._replace(
         device=on_task[0] if len(on_task) == 1 else task_name)
 
+  def Stop(self, error, stop_errors=()):
+    """What stops the run for `error`: an OutOfMemoryStop if a device ran out
+    of memory, else `error` itself if it is one of `stop_errors`, else None.
+
+    Memory is asked first, since an allocation refused during a restore
+    reads as a checkpoint that does not fit (checkpoint_keeper wraps any
+    restore error), whose advice would be wrong.
+    """
+    stop = self.Check(error)
+    if stop is None and isinstance(error, stop_errors):
+      stop = error
+    return stop
+
   def Check(self, error):
     """An OutOfMemoryStop describing `error`, or None if it was not one."""
     records = self.Records(error)

@@ -432,8 +432,7 @@ def _Main(show_startup_log, watch):
   except app.UsageError:
     raise
   except Exception as error:  # pylint: disable=broad-except
-    stop = (error if isinstance(error, train_loop.STOP_ERRORS) else
-            diagnosis.Check(error))
+    stop = diagnosis.Stop(error, train_loop.STOP_ERRORS)
     if stop is None:
       raise
     print(f'ERROR: {stop}', file=sys.stderr, flush=True)
