@@ -7,8 +7,10 @@ stops the controller within the watchdog's bound with an error naming the
 task and its address; a restart resumes from the checkpoint with the losses
 of an uninterrupted run; R=2 replicas x K=2 stages on 4 workers train like
 one pipeline; no process outlives its launcher, and a SIGTERM or SIGINT to
-the launcher's pid stops the whole job at once with status 128 + signal. The
-launcher keeps every server in a loopback-only network namespace.
+the launcher's pid stops the whole job with status 128 + signal (SIGINT at
+once; SIGTERM after the controller has saved its step, which a restart
+resumes from, and within --stop_grace_s). The launcher keeps every server
+in a loopback-only network namespace.
 """
 # bazel: deps=//params,//tfpipe:launcher,//tfpipe/trainer:__main__
 
@@ -151,6 +153,26 @@ def _AssertMatches(losses, baseline):
                                err_msg=f'step {step}')
 
 
+def _ResumeToTheEnd(logdir, baseline):
+  """Launches a run on `logdir` to _STEPS, checks that its losses are the
+  baseline's from the restored step on; returns that step."""
+  second = _Launch(logdir, num_workers=2, max_steps=_STEPS)
+  try:
+    assert second.Wait() == 0, second.Text()
+  finally:
+    second.Kill()
+  second.AssertNoProcessLeft()
+  restored = re.search(r'Restored \S+ckpt-(\d+) at step (\d+)',
+                       second.Text())
+  assert restored, second.Text()
+  assert restored.group(1) == restored.group(2)
+  resumed = _Losses(second.lines)
+  assert min(resumed) == int(restored.group(1)) + 1
+  assert max(resumed) == _STEPS
+  _AssertMatches(resumed, baseline)
+  return int(restored.group(1))
+
+
 def test_killed_worker_stops_the_controller_and_a_restart_resumes(tmp_path, baseline):
   logdir = tmp_path / 'lm'
   first = _Launch(logdir, num_workers=2, max_steps=100000)
@@ -176,18 +198,7 @@ def test_killed_worker_stops_the_controller_and_a_restart_resumes(tmp_path, base
       'the first run went too far to test a resume')
   _AssertMatches(losses, baseline)
 
-  second = _Launch(logdir, num_workers=2, max_steps=_STEPS)
-  try:
-    assert second.Wait() == 0, second.Text()
-  finally:
-    second.Kill()
-  second.AssertNoProcessLeft()
-  restored = re.search(r'Restored \S+ at step (\d+)', second.Text())
-  assert restored, second.Text()
-  resumed = _Losses(second.lines)
-  assert min(resumed) == int(restored.group(1)) + 1
-  assert max(resumed) == _STEPS
-  _AssertMatches(resumed, baseline)
+  _ResumeToTheEnd(logdir, baseline)
 
 
 def test_replicas_times_stages_on_four_workers(tmp_path, baseline):
@@ -212,13 +223,49 @@ def test_replicas_times_stages_on_four_workers(tmp_path, baseline):
 
 
 
+def test_sigterm_while_training_saves_the_step_and_a_restart_resumes(
+    tmp_path, baseline):
+  # Schedulers and preemptions send SIGTERM, then SIGKILL after a grace
+  # period. The controller finishes its step and saves it while the workers
+  # (which hold the variables) still serve; then every process stops, with
+  # the status of a SIGTERM. Before, the job was killed at once and lost
+  # every step since its last periodic checkpoint.
+  logdir = tmp_path / 'lm'
+  first = _Launch(logdir, num_workers=2, max_steps=100000)
+  try:
+    first.WaitForLine(r'^step 7/', _LAUNCH_TIMEOUT_S)
+    first.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    code = first.Wait(_STOP_BOUND_S + 30)
+    stop_s = time.monotonic() - sent
+    alive = [pid for pid in first.pids.values() if _Alive(pid)]
+  finally:
+    first.Kill()
+  text = first.Text()
+  assert code == 128 + signal.SIGTERM, text
+  assert stop_s <= _STOP_BOUND_S, stop_s
+  assert not alive, f'processes left behind: {alive} of {first.pids}'
+  assert ('launcher: SIGTERM received; the controller saves a checkpoint '
+          'after its step') in text, text
+  stopped = re.search(r'SIGTERM received: stopped after step (\d+); '
+                      r'\S+ckpt-(\d+) holds it', text)
+  assert stopped and stopped.group(1) == stopped.group(2), text
+  stopped = int(stopped.group(1))
+  losses = _Losses(first.lines)
+  assert max(losses) == stopped < _STEPS - 5, text
+  _AssertMatches(losses, baseline)
+
+  assert _ResumeToTheEnd(logdir, baseline) == stopped
+
+
 @pytest.mark.parametrize('sig, when', [
-    (signal.SIGTERM, r'^step 2/'),
-    (signal.SIGINT, r'^launcher: started worker')],
-                         ids=['SIGTERM-while-training', 'SIGINT-at-start'])
+    (signal.SIGINT, r'^step 2/'),
+    (signal.SIGTERM, r'^launcher: started worker')],
+                         ids=['SIGINT-while-training', 'SIGTERM-at-start'])
 def test_a_signal_to_the_launchers_pid_stops_the_job(tmp_path, sig, when):
   # `timeout`, schedulers and subprocess.terminate() signal this pid. It was
   # unshare's, which ignored the signal: the job trained on and exited 0.
+  # SIGINT stops at once; so does SIGTERM before the controller trains.
   launch = _Launch(tmp_path / 'lm', num_workers=2, max_steps=100000)
   try:
     launch.WaitForLine(when, _LAUNCH_TIMEOUT_S)
@@ -233,8 +280,15 @@ def test_a_signal_to_the_launchers_pid_stops_the_job(tmp_path, sig, when):
   assert code == 128 + sig, launch.Text()
   assert stop_s <= _STOP_BOUND_S, stop_s
   assert not alive, f'processes left behind: {alive} of {launch.pids}'
-  assert f'launcher: {sig.name} received; stopping every process' in (
-      launch.Text())
+  assert f'launcher: {sig.name} received;' in launch.Text()
+
+
+def _RunScript(code):
+  """`python -c code` from the repository root, finished."""
+  return subprocess.run(
+      [sys.executable, '-c', code], capture_output=True, text=True,
+      timeout=60,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 _SIGNAL_IN_AN_AT_FORK_CALLBACK = r"""
@@ -265,13 +319,48 @@ def test_a_signal_whose_exit_python_dropped_still_stops_the_job():
   # A SIGINT that lands while Popen forks runs the handler inside an at-fork
   # callback, whose exceptions Python prints and drops: in CI the job
   # trained on. The handler also records the signal, which the waits check.
-  proc = subprocess.run(
-      [sys.executable, '-c', _SIGNAL_IN_AN_AT_FORK_CALLBACK],
-      capture_output=True, text=True, timeout=60,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  proc = _RunScript(_SIGNAL_IN_AN_AT_FORK_CALLBACK)
   assert 'Exception ignored' in proc.stderr, proc.stderr  # It was dropped.
   assert proc.returncode == 128 + signal.SIGINT, proc.stderr
   assert proc.stderr.count('launcher: SIGINT received') == 1, proc.stderr
+
+
+_CONTROLLER_IGNORING_SIGTERM = r"""
+import signal, subprocess, sys, time
+from absl import flags
+from tfpipe import launcher
+from tfpipe import local_cluster
+flags.FLAGS(['launcher', '--stop_grace_s=1'])
+launcher.StopOnSignals()
+children = local_cluster.ChildProcesses('launcher')
+try:
+  launcher._controller = child = children.Start('controller', [
+      sys.executable, '-c', 'import signal, sys, time; '
+      'signal.signal(signal.SIGTERM, signal.SIG_IGN); '
+      'print("ignoring", flush=True); time.sleep(60)'],
+      stdout=subprocess.PIPE, text=True)
+  assert child.stdout.readline() == 'ignoring\n'
+  start = time.monotonic()
+  signal.raise_signal(signal.SIGTERM)
+  try:
+    launcher._Supervise(child, [])
+  finally:
+    print(f'stopped after {time.monotonic() - start:.1f}s', flush=True)
+finally:
+  children.Close()
+"""
+
+
+def test_a_controller_that_does_not_stop_within_the_grace_is_killed():
+  # The grace period bounds the wait: a scheduler's SIGKILL must not find the
+  # job still running.
+  proc = _RunScript(_CONTROLLER_IGNORING_SIGTERM)
+  assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+  assert 'launcher: SIGTERM received; the controller saves' in proc.stderr
+  assert ('the controller did not stop within --stop_grace_s=1s; killing '
+          'the job') in proc.stderr, proc.stderr
+  waited = float(re.search(r'stopped after ([\d.]+)s', proc.stdout).group(1))
+  assert 1.0 <= waited < 5.0, proc.stdout
 
 
 def test_the_launcher_starts_without_loading_tensorflow():

@@ -13,7 +13,9 @@ namespace that holds only loopback (tfpipe.network_namespace: `unshare --net
 --map-root-user`, no root needed): nothing it starts can be reached from, or
 reach, the network. It keeps its process id in the namespace, so a SIGINT
 or SIGTERM sent to it (by `timeout`, a scheduler or
-`subprocess.terminate()`) stops the job.
+`subprocess.terminate()`) stops the job. SIGTERM, what schedulers and
+preemptions send, first lets the controller finish its step and save a
+checkpoint (tfpipe.trainer.stop_signal), for at most --stop_grace_s.
 
 Every wait is bounded and no child outlives the launcher
 (tfpipe.local_cluster): children run in their own process groups, which are
@@ -57,6 +59,12 @@ flags.DEFINE_float('startup_timeout_s', 180.0,
 flags.DEFINE_float('grace_s', 45.0,
                    'Seconds the controller gets to stop after a worker '
                    'exited before the launcher kills it.')
+flags.DEFINE_float('stop_grace_s', 25.0,
+                   'After SIGTERM, seconds the controller gets to finish its '
+                   'step and save a checkpoint before the launcher kills '
+                   'the job; keep it below the scheduler\'s own grace '
+                   'period (Kubernetes and SLURM give 30 s by default). 0: '
+                   'stop at once, as on SIGINT.')
 flags.DEFINE_float('timeout_s', 0.0,
                    'Kill the job after this many seconds; 0: no limit.')
 flags.DEFINE_integer('device_memory_mb', None,
@@ -71,22 +79,46 @@ FLAGS = flags.FLAGS
 
 # The first SIGINT/SIGTERM/SIGHUP received: the job is stopping.
 _stop_signal = None
+# When the job stops gracefully: the monotonic time SIGTERM was forwarded to
+# the controller, which then saves and exits (trainer/stop_signal.py).
+_graceful_since = None
+# The controller's process, once started.
+_controller = None
 
 
 def _OnSignal(signum, unused_frame):
   """Stops the job: raises SystemExit(128 + signum) where the launcher is.
 
+  Except SIGTERM once the controller runs (and --stop_grace_s > 0): it is
+  forwarded to the controller, which finishes its step, saves a checkpoint
+  and exits, while the workers, which hold the variables, keep serving;
+  _Supervise then ends the job (and kills it after --stop_grace_s).
+
   Python runs a handler wherever the main thread is, and some places print
   and drop what it raises: a signal that lands while subprocess.Popen forks
   runs it inside an at-fork callback (logging's), and the job trained on.
   So the signal is also recorded, and every wait checks it
-  (_ExitIfStopping). A later signal only repeats the request: raising again
-  would cut short the cleanup the first one started.
+  (_ExitIfStopping). A later signal stops the job at once, unless a stop
+  has already begun: raising again would cut short the cleanup it started.
   """
-  global _stop_signal
+  global _stop_signal, _graceful_since
   if _stop_signal is not None:
-    return
+    if _graceful_since is None:
+      return
+    _graceful_since = None  # A second signal: no more waiting.
+    print(f'launcher: {signal.Signals(signum).name} received again; '
+          'stopping every process now.', file=sys.stderr, flush=True)
+    raise SystemExit(128 + _stop_signal)
   _stop_signal = signum
+  if (signum == signal.SIGTERM and FLAGS.stop_grace_s > 0 and
+      _controller is not None and _controller.poll() is None):
+    _controller.send_signal(signum)
+    _graceful_since = time.monotonic()
+    print(f'launcher: {signal.Signals(signum).name} received; the '
+          'controller saves a checkpoint after its step, then every process '
+          f'stops (in at most --stop_grace_s={FLAGS.stop_grace_s:g}s).',
+          file=sys.stderr, flush=True)
+    return
   print(f'launcher: {signal.Signals(signum).name} received; stopping every '
         'process of the job.', file=sys.stderr, flush=True)
   raise SystemExit(128 + signum)
@@ -99,9 +131,18 @@ def StopOnSignals():
 
 
 def _ExitIfStopping():
-  """Raises SystemExit(128 + signal) once a signal asked the job to stop."""
-  if _stop_signal is not None:
-    raise SystemExit(128 + _stop_signal)
+  """Raises SystemExit(128 + signal) once a signal asked the job to stop,
+  unless the controller is still given time to save (--stop_grace_s)."""
+  if _stop_signal is None:
+    return
+  if _graceful_since is not None and (
+      time.monotonic() - _graceful_since <= FLAGS.stop_grace_s):
+    return
+  if _graceful_since is not None:
+    print(f'launcher: the controller did not stop within --stop_grace_s='
+          f'{FLAGS.stop_grace_s:g}s; killing the job.', file=sys.stderr,
+          flush=True)
+  raise SystemExit(128 + _stop_signal)
 
 
 def VerbosityArgs(controller_args=()):
@@ -144,6 +185,7 @@ def ControllerMemoryArgs(controller_args):
 
 def Launch(controller_args):
   """Starts the workers, then the controller; returns the exit status."""
+  global _controller
   num_workers = FLAGS.num_workers
   if num_workers < 1:
     raise app.UsageError(f'--num_workers={num_workers}; give at least 1.')
@@ -167,7 +209,7 @@ def Launch(controller_args):
       print(f'launcher: {num_workers} worker(s), each an emulated '
             f'accelerator of {FLAGS.device_memory_mb} MiB (its own capped '
             'allocator).', flush=True)
-    controller = children.Start('controller', [
+    controller = _controller = children.Start('controller', [
         sys.executable, '-m', FLAGS.controller_module,
         f'--job={cluster_spec.CONTROLLER_JOB}', f'--cluster_spec={spec_text}',
         *DeviceArgs(controller_args), *ControllerMemoryArgs(controller_args),
@@ -186,6 +228,8 @@ def _Supervise(controller, workers):
     code = controller.poll()
     if code is not None:
       print(f'launcher: controller exited with status {code}.', flush=True)
+      if _stop_signal is not None:
+        return 128 + _stop_signal  # It saved and stopped when asked.
       return code
     now = time.monotonic()
     if worker_lost_at is None:

@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 
 import pytest
 import tensorflow as tf
@@ -136,6 +137,42 @@ def test_resume_gives_identical_subsequent_losses(reference, tmp_path):
   for step in (3, 4, 5):
     assert got['loss'][step] == want['loss'][step], step
     assert got['grad_norm'][step] == want['grad_norm'][step], step
+
+
+def test_sigterm_stops_after_its_step_with_a_checkpoint_that_resumes(
+    reference, tmp_path):
+  # What a scheduler or a preemption sends: the run finishes the step it is
+  # in (3, which save_interval_steps=2 would not save), saves it and stops,
+  # with nothing lost; a resume goes on from there with the losses of the
+  # run that never stopped.
+  ref_logdir, _ = reference
+  want, _ = _Events(ref_logdir, 'train')
+  lines = []
+
+  def Log(line):
+    lines.append(line)
+    if line.startswith('step 3/'):
+      signal.raise_signal(signal.SIGTERM)
+
+  previous = signal.getsignal(signal.SIGTERM)
+  trainer = train_loop.Trainer(_Params(), str(tmp_path), log=Log)
+  assert trainer.Train() == {}  # No final evaluation.
+  assert signal.getsignal(signal.SIGTERM) is previous
+  assert trainer.stopped_by.exit_status == 128 + signal.SIGTERM
+  assert [line.split()[1] for line in lines if line.startswith('step ')] == [
+      '1/5', '2/5', '3/5']
+  assert re.match(r'SIGTERM received: stopped after step 3; \S+ckpt-3 holds '
+                  r'it\. The same command resumes from there\.$', lines[-1]
+                  ), lines[-1]
+  assert tf.train.latest_checkpoint(
+      str(tmp_path / train_loop.CHECKPOINT_DIR)).endswith('ckpt-3')
+  second = _Train(tmp_path)
+  assert re.match(r'Restored \S+ckpt-3 at step 3\.$', second[0]), second[0]
+  assert [line.split()[1] for line in second if line.startswith('step ')] == [
+      '4/5', '5/5']
+  got, _ = _Events(tmp_path, 'train')
+  for step in (3, 4, 5):
+    assert got['loss'][step] == want['loss'][step], step
 
 
 def test_eval_of_a_checkpoint_past_max_steps_says_so(reference, tmp_path):

@@ -81,8 +81,9 @@ def _Stdout(completed):
   return completed.stdout
 
 
-def _RunAndKill(logdir, kill_after_step, timeout=300):
-  """Starts training and SIGKILLs it once `kill_after_step` is printed."""
+def _RunAndSignal(logdir, after_step, sig=signal.SIGKILL, timeout=300):
+  """Starts training and sends `sig` once `after_step` is printed; returns
+  (what it printed, its exit status)."""
   proc = subprocess.Popen(_Command(logdir), stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True, env=_Env())
   lines = queue.Queue()
@@ -94,6 +95,7 @@ def _RunAndKill(logdir, kill_after_step, timeout=300):
 
   threading.Thread(target=Reader, daemon=True).start()
   seen = []
+  sent = False
   deadline = time.time() + timeout
   try:
     while time.time() < deadline:
@@ -105,15 +107,39 @@ def _RunAndKill(logdir, kill_after_step, timeout=300):
         break
       seen.append(line)
       m = _STEP_RE.match(line)
-      if m and int(m.group(1)) >= kill_after_step:
-        proc.send_signal(signal.SIGKILL)
-        break
+      if not sent and m and int(m.group(1)) >= after_step:
+        proc.send_signal(sig)
+        sent = True
+        if sig == signal.SIGKILL:
+          break
   finally:
-    if proc.poll() is None:
+    if proc.poll() is None and (sig == signal.SIGKILL or
+                                time.time() >= deadline):
       proc.kill()
-    proc.wait(timeout=30)
-  assert proc.returncode == -signal.SIGKILL, ''.join(seen)
-  return ''.join(seen)
+    proc.wait(timeout=60)
+  return ''.join(seen), proc.returncode
+
+
+def _RunAndKill(logdir, kill_after_step, timeout=300):
+  """Starts training and SIGKILLs it once `kill_after_step` is printed."""
+  text, code = _RunAndSignal(logdir, kill_after_step, timeout=timeout)
+  assert code == -signal.SIGKILL, text
+  return text
+
+
+def test_sigterm_saves_the_step_it_ends_and_exits_143(tmp_path):
+  # One process (no launcher): a scheduler's SIGTERM ends the run after its
+  # step, with a checkpoint of it, and the status of a SIGTERM.
+  text, code = _RunAndSignal(tmp_path, after_step=4, sig=signal.SIGTERM)
+  assert code == 128 + signal.SIGTERM, text
+  stopped = re.search(r'^SIGTERM received: stopped after step (\d+); '
+                      r'(\S+)ckpt-(\d+) holds it\.', text, re.MULTILINE)
+  assert stopped and stopped.group(1) == stopped.group(3), text
+  step = int(stopped.group(1))
+  assert 4 <= step < 20 and max(_StepLosses(text)) == step, text
+  assert tf.train.latest_checkpoint(
+      str(tmp_path / train_loop.CHECKPOINT_DIR)).endswith(f'ckpt-{step}')
+  assert 'Final:' not in text
 
 
 def test_killed_run_resumes_with_exactly_the_same_losses(tmp_path):

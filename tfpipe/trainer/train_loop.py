@@ -23,7 +23,9 @@ does not match (tests/trainer/data_safety_test.py injects each fault):
   older checkpoints), and the newest checkpoint from before the run's first
   skip is kept beyond max_checkpoints_to_keep, so that it survives any
   number of skips. No checkpoint is written while any variable is
-  non-finite.
+  non-finite;
+* SIGTERM (a scheduler's or a preemption's) lets the step in progress
+  finish, saves it and stops (`stop_signal`): nothing is lost.
 Every refusal is a `STOP_ERRORS` exception whose message says what to do.
 """
 
@@ -41,6 +43,7 @@ from tfpipe.trainer import checkpoint_keeper
 from tfpipe.trainer import device_memory
 from tfpipe.trainer import logdir_lock
 from tfpipe.trainer import params_file
+from tfpipe.trainer import stop_signal
 
 CHECKPOINT_DIR = 'checkpoints'
 NAN_POLICIES = ('stop', 'skip')
@@ -177,6 +180,8 @@ class Trainer:
     self._max_nan_skips = max_nan_skips
     self._allow_params_change = allow_params_change
     self.nan_skips = 0
+    # The StopRequest whose signal ended the last Train(), or None.
+    self.stopped_by = None
     # (step, (number, path) of the newest checkpoint then, or None) of the
     # run's first skipped update.
     self._first_skip = None
@@ -441,43 +446,47 @@ class Trainer:
     metrics = {}
     saved_step = start if restored else None
     skipped = False
-    for batch in dataset:
-      if self.step >= tp.max_steps:
-        break
-      if tp.timeline_step and self.step + 1 == tp.timeline_step:
-        self.RecordTimeline(batch)
-      out = self.task.TrainStep(batch)
-      step = self.step
-      loss, grad_norm = float(out['loss']), float(out['grad_norm'])
-      skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-      if skipped:
-        self._OnNonFinite(step, loss, grad_norm, train_writer)
-      interval_steps += 1
-      if step % tp.log_interval_steps == 0 or step == tp.max_steps:
-        metrics = {k: float(v) for k, v in out.items()}
-        elapsed = time.time() - interval_start
-        step_time = elapsed / interval_steps
-        metrics['step_time_s'] = step_time
-        metrics['examples_per_sec'] = batch_size / max(step_time, 1e-9)
-        peaks = memory.PeaksAndReset()
-        WriteScalars(train_writer, step,
-                     {**metrics, **device_memory.SummaryScalars(peaks)})
-        self._log(
-            f'step {step}/{tp.max_steps} loss={metrics["loss"]:.6f} '
-            f'examples/s={metrics["examples_per_sec"]:.1f} '
-            f'step_time={1000 * step_time:.1f}ms ' + ' '.join(filter(None, [
-                FormatMetrics({k: v for k, v in metrics.items() if k not in (
-                    'loss', 'examples_per_sec', 'step_time_s')}),
-                device_memory.FormatPeaks(peaks)])))
-        interval_start = time.time()
-        interval_steps = 0
-      if step % tp.save_interval_steps == 0:
-        self._SaveUnlessSkipped(step, skipped)
-        saved_step = step
-      if eval_interval and step % eval_interval == 0 and step < tp.max_steps:
-        self._EvaluateAndLog(eval_writer)
-    if saved_step != self.step:
-      self._SaveUnlessSkipped(self.step, skipped)
+    with stop_signal.StopRequest() as stop:
+      for batch in dataset:
+        if self.step >= tp.max_steps or stop.signum:
+          break
+        if tp.timeline_step and self.step + 1 == tp.timeline_step:
+          self.RecordTimeline(batch)
+        out = self.task.TrainStep(batch)
+        step = self.step
+        loss, grad_norm = float(out['loss']), float(out['grad_norm'])
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped:
+          self._OnNonFinite(step, loss, grad_norm, train_writer)
+        interval_steps += 1
+        if step % tp.log_interval_steps == 0 or step == tp.max_steps:
+          metrics = {k: float(v) for k, v in out.items()}
+          elapsed = time.time() - interval_start
+          step_time = elapsed / interval_steps
+          metrics['step_time_s'] = step_time
+          metrics['examples_per_sec'] = batch_size / max(step_time, 1e-9)
+          peaks = memory.PeaksAndReset()
+          WriteScalars(train_writer, step,
+                       {**metrics, **device_memory.SummaryScalars(peaks)})
+          self._log(
+              f'step {step}/{tp.max_steps} loss={metrics["loss"]:.6f} '
+              f'examples/s={metrics["examples_per_sec"]:.1f} '
+              f'step_time={1000 * step_time:.1f}ms ' + ' '.join(filter(None, [
+                  FormatMetrics({k: v for k, v in metrics.items() if k not in (
+                      'loss', 'examples_per_sec', 'step_time_s')}),
+                  device_memory.FormatPeaks(peaks)])))
+          interval_start = time.time()
+          interval_steps = 0
+        if step % tp.save_interval_steps == 0:
+          self._SaveUnlessSkipped(step, skipped)
+          saved_step = step
+        if (eval_interval and step % eval_interval == 0 and
+            step < tp.max_steps and not stop.signum):
+          self._EvaluateAndLog(eval_writer)
+      if saved_step != self.step:
+        self._SaveUnlessSkipped(self.step, skipped)
+      if stop.signum:
+        return self._StoppedBySignal(stop)
     final = self._EvaluateAndLog(eval_writer)
     trained = (f'train_loss={metrics["loss"]:.6f} ' if 'loss' in metrics
                else '')
@@ -485,3 +494,15 @@ class Trainer:
         f'Final: step={self.step} {trained}eval: {FormatMetrics(final)} '
         f'train_time={time.time() - run_start:.1f}s')
     return final
+
+  def _StoppedBySignal(self, stop):
+    """Logs where a run that `stop` ended resumes; returns no metrics (the
+    final evaluation is skipped: the grace period is for the checkpoint)."""
+    self.stopped_by = stop
+    if self.manager.numbers and self.manager.numbers[-1] == self.step:
+      where = f'{self.manager.latest_checkpoint} holds it'
+    else:
+      where = self._LastGood().strip().rstrip('.')
+    self._log(f'{stop.name} received: stopped after step {self.step}; '
+              f'{where}. The same command resumes from there.')
+    return {}

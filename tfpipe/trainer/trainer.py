@@ -427,8 +427,11 @@ def _Main(show_startup_log, watch):
     if controller:
       controller.Run(trainer.Train)
       sys.stdout.flush()
-      os._exit(0)  # pylint: disable=protected-access
+      os._exit(_ExitStatus(trainer))  # pylint: disable=protected-access
     trainer.Train()
+    if trainer.stopped_by:
+      sys.stdout.flush()
+      return _ExitStatus(trainer)
   except app.UsageError:
     raise
   except Exception as error:  # pylint: disable=broad-except
@@ -444,6 +447,11 @@ def _Main(show_startup_log, watch):
     return status
   sys.stdout.flush()
   return 0
+
+
+def _ExitStatus(trainer):
+  """0, or 128 + the signal that stopped training (train_loop, stop_signal)."""
+  return trainer.stopped_by.exit_status if trainer.stopped_by else 0
 
 
 def run():

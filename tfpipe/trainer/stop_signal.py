@@ -1,0 +1,67 @@
+"""SIGTERM stops a training run at the end of its step, with a checkpoint.
+
+Schedulers and preemptible machines end a job with SIGTERM, then SIGKILL
+after a grace period (Kubernetes' default is 30 s, as is SLURM's KillWait;
+a preemptible cloud VM gets about 30 s). Ended at once, a run loses every
+step since its last periodic checkpoint (task.train.save_interval_steps).
+So while the train loop runs, SIGTERM only records the request
+(`StopRequest`); the loop finishes the step it is in, saves a checkpoint of
+it and stops, and the trainer exits with 143 (128 + SIGTERM), the status of
+a process that SIGTERM ended. The same command then resumes from that step,
+with the losses of a run that never stopped.
+
+Outside the loop (building the model, restoring) SIGTERM keeps its default
+action: nothing is lost there that the last checkpoint does not hold. A
+second SIGTERM ends the process at once, for whoever cannot wait for the
+step; the checkpoint in writing, if any, is not one (checkpoint_keeper).
+SIGINT (Ctrl-C) is unchanged: a KeyboardInterrupt.
+
+The launcher forwards its SIGTERM to the controller and keeps the workers,
+which hold the variables, serving until the controller has saved
+(tfpipe.launcher, --stop_grace_s).
+"""
+
+import signal
+import threading
+
+
+class StopRequest:
+  """Within the block, SIGTERM asks the loop to stop: `signum` is then set.
+
+  Only the main thread can handle signals; elsewhere (a test's thread) the
+  block changes nothing and `signum` stays None.
+  """
+
+  def __init__(self, signals=(signal.SIGTERM,)):
+    self._signals = tuple(signals)
+    self._previous = {}
+    self.signum = None
+
+  def _OnSignal(self, signum, unused_frame):
+    if self.signum is not None:
+      # The second one: its default action, now.
+      signal.signal(signum, signal.SIG_DFL)
+      signal.raise_signal(signum)
+      return
+    self.signum = signum
+
+  @property
+  def name(self):
+    return signal.Signals(self.signum).name if self.signum else None
+
+  @property
+  def exit_status(self):
+    """128 + the signal's number, as for a process that it ended."""
+    return 128 + self.signum if self.signum else 0
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in self._signals:
+        self._previous[sig] = signal.signal(sig, self._OnSignal)
+    return self
+
+  def __exit__(self, *unused_exc):
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
+    self._previous.clear()
+    return False
