@@ -39,6 +39,7 @@ device's predicted peak says where its memory goes.
     python -m benchmarks.largest_model --output_json=/tmp/bench/largest_model.json
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -108,6 +109,40 @@ FAMILIES = {
                          'pipeline-4': '1.05B (12.8x)',
                          'pipeline-8': '1.8B (22x)'}, 32),
 }
+
+
+# The environment of a family's processes (profiles and trials), where the
+# user has not set the variable. AmoebaNet's convolutions run on oneDNN's
+# kernels: where TensorFlow runs without them (the default on CPUs without
+# AVX-512, such as AMD EPYC), a convolution's input gradient takes an im2col
+# scratch buffer sized for a 30 MiB cache, not for the batch
+# (Conv2DCustomBackpropInput), so plain Keras ran out of memory on L=3 in
+# 32, 40 and 48 MiB, an artifact of the CPU that no accelerator has. With
+# oneDNN it trains L=3 in 32 MiB, as on CPUs where oneDNN is the default.
+FAMILY_ENVIRONMENT = {'amoebanet': {'TF_ENABLE_ONEDNN_OPTS': '1'}}
+
+
+def FamilyEnvironment(family, environ=None):
+  """os.environ (or `environ`) with the family's settings the user left
+  unset; what the family's profiles and trials run with."""
+  env = dict(os.environ if environ is None else environ)
+  for name, value in FAMILY_ENVIRONMENT.get(family, {}).items():
+    env.setdefault(name, value)
+  return env
+
+
+@contextlib.contextmanager
+def _FamilyEnvironmentSet(family):
+  """Within the block, os.environ holds the family's settings (for
+  subprocesses that copy it)."""
+  added = {name: value for name, value in FamilyEnvironment(family).items()
+           if name not in os.environ}
+  os.environ.update(added)
+  try:
+    yield
+  finally:
+    for name in added:
+      os.environ.pop(name, None)
 
 
 def ExperimentParams(family, size):
@@ -286,7 +321,7 @@ def Trial(config, family, size, layer_counts=None):
   if layer_counts:
     cmd.append('--layer_counts=' + ','.join(map(str, layer_counts)))
   env = memory_limit.CappedEnv(int(Budget(family)) if config == 'naive-1'
-                               else None)
+                               else None, environ=FamilyEnvironment(family))
   env['TF_CPP_MIN_LOG_LEVEL'] = '2'
   start = time.time()
   try:
@@ -336,7 +371,8 @@ class Predictor:
           p, cells=cells, micro_batch_sizes=[1, FLAGS.batch],
           intra_op_threads=capped_workers.INTRA_OP_THREADS)
       request.Select(missing)  # Only the layers not profiled yet.
-      profiles = memory_report.Profile(request)
+      with _FamilyEnvironmentSet(self.family):  # The subprocess copies it.
+        profiles = memory_report.Profile(request, in_subprocess=True)
       for k, profile in zip(missing, profiles):
         self._profiles[keys[k]] = profile
       self.log(f'  profiled {len(missing)} new layer(s) in '
