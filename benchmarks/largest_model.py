@@ -39,7 +39,6 @@ device's predicted peak says where its memory goes.
     python -m benchmarks.largest_model --output_json=/tmp/bench/largest_model.json
 """
 
-import contextlib
 import json
 import os
 import subprocess
@@ -51,6 +50,7 @@ os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
+from benchmarks import model_environment  # pylint: disable=g-import-not-at-top
 from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
 from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
 
@@ -109,40 +109,6 @@ FAMILIES = {
                          'pipeline-4': '1.05B (12.8x)',
                          'pipeline-8': '1.8B (22x)'}, 32),
 }
-
-
-# The environment of a family's processes (profiles and trials), where the
-# user has not set the variable. AmoebaNet's convolutions run on oneDNN's
-# kernels: where TensorFlow runs without them (the default on CPUs without
-# AVX-512, such as AMD EPYC), a convolution's input gradient takes an im2col
-# scratch buffer sized for a 30 MiB cache, not for the batch
-# (Conv2DCustomBackpropInput), so plain Keras ran out of memory on L=3 in
-# 32, 40 and 48 MiB, an artifact of the CPU that no accelerator has. With
-# oneDNN it trains L=3 in 32 MiB, as on CPUs where oneDNN is the default.
-FAMILY_ENVIRONMENT = {'amoebanet': {'TF_ENABLE_ONEDNN_OPTS': '1'}}
-
-
-def FamilyEnvironment(family, environ=None):
-  """os.environ (or `environ`) with the family's settings the user left
-  unset; what the family's profiles and trials run with."""
-  env = dict(os.environ if environ is None else environ)
-  for name, value in FAMILY_ENVIRONMENT.get(family, {}).items():
-    env.setdefault(name, value)
-  return env
-
-
-@contextlib.contextmanager
-def _FamilyEnvironmentSet(family):
-  """Within the block, os.environ holds the family's settings (for
-  subprocesses that copy it)."""
-  added = {name: value for name, value in FamilyEnvironment(family).items()
-           if name not in os.environ}
-  os.environ.update(added)
-  try:
-    yield
-  finally:
-    for name in added:
-      os.environ.pop(name, None)
 
 
 def ExperimentParams(family, size):
@@ -320,8 +286,9 @@ def Trial(config, family, size, layer_counts=None):
          f'--filters={FLAGS.filters}', f'--image={FLAGS.image}']
   if layer_counts:
     cmd.append('--layer_counts=' + ','.join(map(str, layer_counts)))
-  env = memory_limit.CappedEnv(int(Budget(family)) if config == 'naive-1'
-                               else None, environ=FamilyEnvironment(family))
+  env = memory_limit.CappedEnv(
+      int(Budget(family)) if config == 'naive-1' else None,
+      environ=model_environment.Environment(family))
   env['TF_CPP_MIN_LOG_LEVEL'] = '2'
   start = time.time()
   try:
@@ -371,7 +338,7 @@ class Predictor:
           p, cells=cells, micro_batch_sizes=[1, FLAGS.batch],
           intra_op_threads=capped_workers.INTRA_OP_THREADS)
       request.Select(missing)  # Only the layers not profiled yet.
-      with _FamilyEnvironmentSet(self.family):  # The subprocess copies it.
+      with model_environment.Within(self.family):
         profiles = memory_report.Profile(request, in_subprocess=True)
       for k, profile in zip(missing, profiles):
         self._profiles[keys[k]] = profile

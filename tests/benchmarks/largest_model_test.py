@@ -91,7 +91,7 @@ def test_amoebanet_naive_one_trains_in_its_budget_on_any_cpu(trials):
   # (CPUs without AVX-512), its own convolution gradients take a
   # cache-sized scratch buffer and L=3 ran out of memory in 32, 40 and 48
   # MiB; the family's processes run oneDNN's kernels
-  # (largest_model.FAMILY_ENVIRONMENT), unless the user set the variable.
+  # (benchmarks/model_environment.py), unless the user set the variable.
   proc = trials['amoebanet'].Result()
   lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
   assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
