@@ -14,7 +14,9 @@ Outside the loop (building the model, restoring) SIGTERM keeps its default
 action: nothing is lost there that the last checkpoint does not hold. A
 second SIGTERM ends the process at once, for whoever cannot wait for the
 step; the checkpoint in writing, if any, is not one (checkpoint_keeper).
-SIGINT (Ctrl-C) is unchanged: a KeyboardInterrupt.
+SIGINT (Ctrl-C) is unchanged: a KeyboardInterrupt. A program that calls
+`Trainer.Train()` itself gets the same behaviour; its own SIGTERM handler
+is set aside during the loop and put back after it.
 
 The launcher forwards its SIGTERM to the controller and keeps the workers,
 which hold the variables, serving until the controller has saved
