@@ -28,8 +28,8 @@ measured over predicted (Search), then bisection.
 
 Models: a Transformer LM (size: its number of blocks) and AmoebaNet-D(L, D)
 with D fixed (size: L, a multiple of 3), at shapes small enough for a trial
-to take minutes on 2 cores (a pipeline-8 trial of AmoebaNet at L=87 took
-12). The Transformer keeps GPipe's proportions: FFN 4d and a vocabulary of
+to take minutes on 2 cores (a pipeline-8 trial of AmoebaNet at L=96 took
+9). The Transformer keeps GPipe's proportions: FFN 4d and a vocabulary of
 16 d (GPipe's 32k tokens at d=2048), so its untied embedding and softmax
 hold as many parameters as 2.7 blocks, a fixed cost that naive-1 pays in
 full and pipeline-K on its first and last devices only. The growth over
