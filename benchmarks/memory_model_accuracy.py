@@ -51,7 +51,6 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
-from benchmarks import model_environment  # pylint: disable=g-import-not-at-top
 from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -208,13 +207,7 @@ def RunModel(model, rows, log, save=None):
   on fresh workers: a worker that ran other configurations before peaks
   higher (TensorFlow's runtime keeps some of each), which a real run, one
   configuration per worker, never sees. The next configuration's workers
-  start while one is measured. The profiles and the workers run with the
-  model's environment (model_environment: AmoebaNet on oneDNN's kernels)."""
-  with model_environment.Within(model):
-    return _RunModel(model, rows, log, save)
-
-
-def _RunModel(model, rows, log, save):
+  start while one is measured."""
   example, sizes = _ExampleAndSizes(model)
   profiles = {}
   configurations = list(_Configurations(model))
@@ -240,12 +233,10 @@ def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
   k = p.task.pipeline.num_partitions
   if k not in profiles:
     start = time.time()
-    request = memory_report.ProfileRequest(
+    profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
         p, micro_batch_sizes=sizes, example=example,
         intra_op_threads=capped_workers.INTRA_OP_THREADS,
-        single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS)
-    profiles[k] = memory_report.Profile(
-        request, in_subprocess=model_environment.Has(model))
+        single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS))
     log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
         f'in {time.time() - start:.0f}s')
   workers = pending or capped_workers.CappedWorkers(
@@ -290,7 +281,7 @@ def _Predict(row, p, profiles, example):
       key=abs)
 
 
-def _ProfileAgain(base, example, by_k, log, in_subprocess):
+def _ProfileAgain(base, example, by_k, log):
   """Each K's cells profiled again, at the sizes of the stored profiles."""
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   profiles = {}
@@ -303,8 +294,7 @@ def _ProfileAgain(base, example, by_k, log, in_subprocess):
         memory_report.ProfileRequest(
             p, micro_batch_sizes=sizes, example=example,
             intra_op_threads=capped_workers.INTRA_OP_THREADS,
-            single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS),
-        in_subprocess=in_subprocess)]
+            single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS))]
     log(f'K={k}: profiled again in {time.time() - start:.0f}s')
   return profiles
 
@@ -320,9 +310,7 @@ def PredictAgain(path, log):
     base = ExperimentParams(model)
     example = memory_report.ExampleBatch(base)
     if FLAGS.reprofile:
-      with model_environment.Within(model):
-        by_k = _ProfileAgain(base, example, by_k, log,
-                             in_subprocess=model_environment.Has(model))
+      by_k = _ProfileAgain(base, example, by_k, log)
       earlier['profiles'][model] = by_k
     for row in earlier['rows']:
       if row['model'] != model:

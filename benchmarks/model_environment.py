@@ -1,14 +1,15 @@
-"""The environment of a benchmark model's processes: profiles, workers, trials.
+"""The environment of a Table 1 model's processes: profiles, workers, trials.
 
 AmoebaNet's convolutions run on oneDNN's kernels. Where TensorFlow runs
 without them (its default on x86 CPUs without AVX-512, such as AMD EPYC),
 a convolution's input gradient (Conv2DCustomBackpropInput) takes an im2col
-scratch buffer sized for a 30 MiB cache rather than for the batch: plain
-Keras then ran out of memory on AmoebaNet-D L=3 in 32, 40 and 48 MiB
-(largest_model), and the cells' peaks swung with those buffers
-(memory_model_accuracy), an artifact of the CPU that no accelerator has.
-With oneDNN, L=3 trains in 32 MiB, as on the CPUs where oneDNN is the
-default and where the benchmarks were first measured.
+scratch buffer sized for a 30 MiB cache rather than for the batch, so plain
+Keras ran out of memory on AmoebaNet-D L=3 in 32, 40 and 48 MiB: GPipe's
+naive-1 model did not train in the budget at all, an artifact of the CPU
+that no accelerator has. With oneDNN, L=3 trains in 32 MiB, as on the CPUs
+where oneDNN is the default and where largest_model was first measured.
+(memory_model_accuracy keeps TensorFlow's default: the memory model must
+predict what a user's run takes, with whichever kernels it has.)
 
 A variable the user has set is left as it is. The settings must be in a
 process's environment before TensorFlow starts, so they go to the
