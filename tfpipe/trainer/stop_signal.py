@@ -13,7 +13,8 @@ with the losses of a run that never stopped.
 Outside the loop (building the model, restoring) SIGTERM keeps its default
 action: nothing is lost there that the last checkpoint does not hold. A
 second SIGTERM ends the process at once, for whoever cannot wait for the
-step; the checkpoint in writing, if any, is not one (checkpoint_keeper).
+step; a checkpoint it was writing then never counts (checkpoint_keeper
+reads each one back before it does).
 SIGINT (Ctrl-C) is unchanged: a KeyboardInterrupt. A program that calls
 `Trainer.Train()` itself gets the same behaviour; its own SIGTERM handler
 is set aside during the loop and put back after it.
