@@ -209,7 +209,7 @@ class WorkerDied(Exception):
     self.refusals = list(refusals)
 
 
-def _StepsWatchingWorkers(steps, workers):
+def _StepsWatchingWorkers(steps, workers, settle_s=2.0):
   """Runs `steps`; raises WorkerDied as soon as a worker exits.
 
   A capped process does not always fail an allocation with an error:
@@ -219,6 +219,9 @@ def _StepsWatchingWorkers(steps, workers):
   ResourceExhaustedError, and the controller then waited for the dead
   worker until the trial's timeout. A crash is out of memory when the
   worker's report (CappedWorkers.Refusals) holds a refused allocation.
+  The step can also fail first, from the controller's side ("Socket
+  closed"), before the worker's exit is seen: a failed step waits up to
+  `settle_s` for a worker's exit, and then reports that instead.
   """
   import threading  # pylint: disable=g-import-not-at-top
   outcome = []
@@ -235,14 +238,27 @@ def _StepsWatchingWorkers(steps, workers):
     thread.join(0.5)
     exited = workers.Exited()
     if exited and thread.is_alive():
-      refusals = {k: workers.Refusals(k) for k, _ in exited}
-      raise WorkerDied('; '.join(
-          f'worker {k} died (exit status {status})' + (
-              f' after its allocator refused {refusals[k][0].Describe()}'
-              if refusals[k] else ', no allocation refused')
-          for k, status in exited), [r for k in refusals for r in refusals[k]])
+      raise _WorkerDied(workers, exited)
   if outcome[0] is not None:
+    deadline = time.monotonic() + settle_s
+    exited = workers.Exited()
+    while not exited and time.monotonic() < deadline:
+      time.sleep(0.1)
+      exited = workers.Exited()
+    if exited:
+      raise _WorkerDied(workers, exited) from outcome[0]
     raise outcome[0]
+
+
+def _WorkerDied(workers, exited):
+  """WorkerDied for the workers `exited` ([(task, status)]): what each one's
+  allocator refused first, if anything."""
+  refusals = {k: workers.Refusals(k) for k, _ in exited}
+  return WorkerDied('; '.join(
+      f'worker {k} died (exit status {status})' + (
+          f' after its allocator refused {refusals[k][0].Describe()}'
+          if refusals[k] else ', no allocation refused')
+      for k, status in exited), [r for k in refusals for r in refusals[k]])
 
 
 def _NaiveSteps(p, batch):

@@ -193,3 +193,59 @@ def test_search_calibrates_the_memory_model_by_a_trial_and_bisects():
   assert _Search(true_mib=0.25, predicted_mib=0.24) == [64, [64, 65, 66], 66]
   # A timed-out trial ends the search: what fitted is a lower bound.
   assert _Search(0.2, 0.24, timeout_at=70) == [66, [66, 80], 66]
+
+
+_WATCH = r'''
+import json, sys, time
+from benchmarks import largest_model
+
+
+class Record:
+  def Describe(self):
+    return '256.0KiB, for op Conv2DBackpropFilter'
+
+
+class Workers:
+  def __init__(self, exits_after_s):
+    self.exits_at = (time.monotonic() + exits_after_s
+                     if exits_after_s is not None else None)
+
+  def Exited(self):
+    if self.exits_at is not None and time.monotonic() >= self.exits_at:
+      return [(1, -6)]
+    return []
+
+  def Refusals(self, k):
+    return [Record()]
+
+
+def Steps():
+  raise ValueError('Socket closed')
+
+
+results = []
+for exits_after_s in (0.3, None):
+  try:
+    largest_model._StepsWatchingWorkers(Steps, Workers(exits_after_s),
+                                        settle_s=1.0)
+  except Exception as e:  # pylint: disable=broad-except
+    results.append([type(e).__name__, str(e),
+                    len(getattr(e, 'refusals', []))])
+print(json.dumps(results))
+'''
+
+
+def test_a_worker_that_crashes_is_named_even_when_the_step_fails_first():
+  # A worker that oneDNN kills fails the controller's step ("Socket closed")
+  # before its exit is seen; the trial then said only that, and did not
+  # count it as out of memory.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, '-c', _WATCH], cwd=script_runner.ROOT,
+                        capture_output=True, text=True, timeout=60,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  died, other = json.loads(proc.stdout.splitlines()[-1])
+  assert died == ['WorkerDied', 'worker 1 died (exit status -6) after its '
+                  'allocator refused 256.0KiB, for op Conv2DBackpropFilter', 1]
+  assert other == ['ValueError', 'Socket closed', 0]
