@@ -223,18 +223,25 @@ def test_replicas_times_stages_on_four_workers(tmp_path, baseline):
 
 
 
+@pytest.mark.parametrize('to_every_process', [False, True],
+                         ids=['to-the-launcher', 'to-every-process'])
 def test_sigterm_while_training_saves_the_step_and_a_restart_resumes(
-    tmp_path, baseline):
+    tmp_path, baseline, to_every_process):
   # Schedulers and preemptions send SIGTERM, then SIGKILL after a grace
-  # period. The controller finishes its step and saves it while the workers
-  # (which hold the variables) still serve; then every process stops, with
-  # the status of a SIGTERM. Before, the job was killed at once and lost
-  # every step since its last periodic checkpoint.
+  # period: Kubernetes to the container's first process (the launcher),
+  # SLURM to every process of the job. The controller finishes its step and
+  # saves it while the workers (which hold the variables) still serve; then
+  # every process stops, with the status of a SIGTERM. Before, the job was
+  # killed at once and lost every step since its last periodic checkpoint.
   logdir = tmp_path / 'lm'
   first = _Launch(logdir, num_workers=2, max_steps=100000)
   try:
     first.WaitForLine(r'^step 7/', _LAUNCH_TIMEOUT_S)
-    first.proc.send_signal(signal.SIGTERM)
+    if to_every_process:
+      for pid in first.pids.values():
+        os.kill(pid, signal.SIGTERM)
+    else:
+      first.proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     code = first.Wait(_STOP_BOUND_S + 30)
     stop_s = time.monotonic() - sent

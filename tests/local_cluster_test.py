@@ -122,6 +122,33 @@ def test_close_ends_a_stopped_child_at_once():
   assert proc.returncode == 0  # Its own SIGTERM handler ended it.
 
 
+_SLEEPER_SAYING_READY = """
+import time
+print('ready', flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_child_that_survives_sigterm_lives_on_until_close_kills_it():
+  # SLURM sends SIGTERM to every process of a job; the launcher's workers
+  # must outlive it, since they hold the variables the controller saves.
+  children = local_cluster.ChildProcesses('test')
+  try:
+    proc = children.Start('worker', [sys.executable, '-c',
+                                     _SLEEPER_SAYING_READY],
+                          survives_sigterm=True, stdout=subprocess.PIPE,
+                          text=True)
+    assert proc.stdout.readline() == 'ready\n'
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert proc.poll() is None, 'SIGTERM ended it'
+    start = time.monotonic()
+  finally:
+    children.Close()
+  assert time.monotonic() - start < local_cluster.KILL_WAIT_S / 2
+  assert proc.returncode == -signal.SIGKILL
+
+
 def test_children_die_with_the_program_even_when_it_is_killed():
   parent = subprocess.Popen(
       [sys.executable, '-c', _PARENT], stdout=subprocess.PIPE, text=True,

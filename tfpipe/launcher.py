@@ -204,7 +204,10 @@ def Launch(controller_args):
             *VerbosityArgs()],
         FLAGS.startup_timeout_s,
         hint='See its log above; --startup_timeout_s sets the wait.',
-        each_step=_ExitIfStopping, env=WorkerEnvironment())
+        each_step=_ExitIfStopping, env=WorkerEnvironment(),
+        # A SIGTERM to every process of the job (SLURM's) must leave the
+        # variables to the controller, which saves them first.
+        survives_sigterm=True)
     if FLAGS.device_memory_mb:
       print(f'launcher: {num_workers} worker(s), each an emulated '
             f'accelerator of {FLAGS.device_memory_mb} MiB (its own capped '

@@ -8,8 +8,9 @@ three things, which this module gives them:
   LocalClusterJobs(W)  a controller and W workers on free loopback ports.
   ChildProcesses       starts children that end with the program: each runs
       in its own process group, which Close() kills (SIGTERM, then SIGKILL,
-      each wait bounded), and each gets SIGKILL from the kernel when the
-      program dies, even by SIGKILL (PR_SET_PDEATHSIG).
+      each wait bounded; SIGKILL at once for a child that survives SIGTERM),
+      and each gets SIGKILL from the kernel when the program dies, even by
+      SIGKILL (PR_SET_PDEATHSIG).
   StartWorkers         starts one process per worker task and waits, with a
       deadline, until every one serves; a worker that exits first is named.
 
@@ -57,8 +58,10 @@ def LocalClusterJobs(num_workers):
           cluster_spec.WORKER_JOB: ports[1:]}
 
 
-def _ChildSetup():
-  """A preexec_fn: the child gets SIGKILL when the program (its parent) dies.
+def _ChildSetup(ignore_sigterm=False):
+  """A preexec_fn: the child gets SIGKILL when the program (its parent) dies,
+  and with `ignore_sigterm` starts with SIGTERM ignored (an ignored signal
+  stays ignored across exec).
 
   libc's prctl is looked up here, in the parent: after a fork, a child of a
   threaded program should call only what is already loaded.
@@ -67,9 +70,13 @@ def _ChildSetup():
   try:
     prctl = ctypes.CDLL(None, use_errno=True).prctl
   except (OSError, AttributeError):
-    return None
+    prctl = None
 
   def Setup():
+    if ignore_sigterm:
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if prctl is None:
+      return
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # The parent died before prctl took effect.
       os._exit(1)  # pylint: disable=protected-access
@@ -94,20 +101,35 @@ class ChildProcesses:
     """Args: owner: the program's name, which starts its log lines."""
     self.owner = owner
     self.children = []  # (name, Popen)
+    self._survive_sigterm = set()  # pids
 
-  def Start(self, name, argv, **popen_kwargs):
-    """Starts `argv` as child `name`; popen_kwargs go to subprocess.Popen."""
+  def Start(self, name, argv, survives_sigterm=False, **popen_kwargs):
+    """Starts `argv` as child `name`; popen_kwargs go to subprocess.Popen.
+
+    `survives_sigterm`: the child ignores SIGTERM, and Close() ends it with
+    SIGKILL. For a child with nothing of its own to save that another
+    process still needs after a SIGTERM sent to every process of a job
+    (SLURM's): the launcher's workers hold the variables that the
+    controller saves then.
+    """
     # pylint: disable-next=subprocess-popen-preexec-fn
     proc = subprocess.Popen(argv, start_new_session=True,
-                            preexec_fn=_ChildSetup(), **popen_kwargs)
+                            preexec_fn=_ChildSetup(survives_sigterm),
+                            **popen_kwargs)
     self.children.append((name, proc))
+    if survives_sigterm:
+      self._survive_sigterm.add(proc.pid)
     print(f'{self.owner}: started {name} pid={proc.pid}', flush=True)
     return proc
 
   def Close(self):
-    """SIGTERM to every child's group, then SIGKILL; each wait is bounded."""
+    """SIGTERM to every child's group, then SIGKILL; each wait is bounded.
+    A child that survives SIGTERM gets SIGKILL at once."""
     alive = [p for _, p in self.children if p.poll() is None]
     for p in alive:
+      if p.pid in self._survive_sigterm:
+        _KillGroup(p, signal.SIGKILL)
+        continue
       _KillGroup(p, signal.SIGTERM)
       _KillGroup(p, signal.SIGCONT)  # A stopped process acts on it now.
     deadline = time.monotonic() + KILL_WAIT_S
@@ -126,7 +148,8 @@ class ChildProcesses:
 
 
 def StartWorkers(children, jobs, worker_argv, timeout_s,
-                 hint='See its log above.', each_step=None, **popen_kwargs):
+                 hint='See its log above.', each_step=None,
+                 survives_sigterm=False, **popen_kwargs):
   """Starts one process per worker task of `jobs`; waits until all serve.
 
   Args:
@@ -135,6 +158,8 @@ def StartWorkers(children, jobs, worker_argv, timeout_s,
     worker_argv: called with a worker's task index, returns its command line.
     timeout_s: how long the workers have to serve, all together.
     hint: what the user should do, ending the errors.
+    each_step: called after each start and each round of waiting.
+    survives_sigterm: see ChildProcesses.Start.
     **popen_kwargs: for subprocess.Popen (pipes, env, cwd).
 
   Returns:
@@ -148,7 +173,7 @@ def StartWorkers(children, jobs, worker_argv, timeout_s,
   started = []
   for i, (name, address) in enumerate(workers):
     proc = children.Start(f'worker {name} at {address}', worker_argv(i),
-                          **popen_kwargs)
+                          survives_sigterm=survives_sigterm, **popen_kwargs)
     started.append((name, address, proc))
     if each_step:
       each_step()

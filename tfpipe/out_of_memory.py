@@ -257,8 +257,11 @@ class StderrWatch:
     if pid == 0:  # The reader.
       try:
         os.close(write)
-        # It ends with the pipe, not with a Ctrl-C meant for its worker.
+        # It ends with the pipe, not with a Ctrl-C meant for its worker, nor
+        # with a SIGTERM sent to every process of a job (SLURM's), which a
+        # trainer answers by saving its step first (trainer/stop_signal.py).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self._saved, self._read = saved, read
         self._Pump()
       finally:

@@ -14,7 +14,10 @@ Outside the loop (building the model, restoring) SIGTERM keeps its default
 action: nothing is lost there that the last checkpoint does not hold. A
 second SIGTERM ends the process at once, for whoever cannot wait for the
 step; a checkpoint it was writing then never counts (checkpoint_keeper
-reads each one back before it does).
+reads each one back before it does). One that comes within
+`DUPLICATE_WINDOW_S` of the first is the same request delivered twice:
+SLURM signals every process of a job step, so the controller gets SIGTERM
+from it and again from the launcher, which forwards its own.
 SIGINT (Ctrl-C) is unchanged: a KeyboardInterrupt. A program that calls
 `Trainer.Train()` itself gets the same behaviour; its own SIGTERM handler
 is set aside during the loop and put back after it.
@@ -26,6 +29,10 @@ which hold the variables, serving until the controller has saved
 
 import signal
 import threading
+import time
+
+# A second SIGTERM this soon after the first repeats it (module docstring).
+DUPLICATE_WINDOW_S = 2.0
 
 
 class StopRequest:
@@ -38,15 +45,20 @@ class StopRequest:
   def __init__(self, signals=(signal.SIGTERM,)):
     self._signals = tuple(signals)
     self._previous = {}
+    self._received_at = None
     self.signum = None
 
   def _OnSignal(self, signum, unused_frame):
+    now = time.monotonic()
     if self.signum is not None:
-      # The second one: its default action, now.
+      if now - self._received_at < DUPLICATE_WINDOW_S:
+        return  # The same request, delivered twice.
+      # A second one: its default action, now.
       signal.signal(signum, signal.SIG_DFL)
       signal.raise_signal(signum)
       return
     self.signum = signum
+    self._received_at = now
 
   @property
   def name(self):
