@@ -64,7 +64,7 @@ flags.DEFINE_float('stop_grace_s', 25.0,
                    'step and save a checkpoint before the launcher kills '
                    'the job; keep it below the scheduler\'s own grace '
                    'period (Kubernetes and SLURM give 30 s by default). 0: '
-                   'stop at once, as on SIGINT.')
+                   'stop at once, as on SIGINT.', lower_bound=0.0)
 flags.DEFINE_float('timeout_s', 0.0,
                    'Kill the job after this many seconds; 0: no limit.')
 flags.DEFINE_integer('device_memory_mb', None,
