@@ -1,10 +1,11 @@
 """Tests of gpipe.planner, on synthetic layer profiles with round numbers.
 
-Protected properties: every device of a plan fits its budget; a model that
-does not fit one device is split over more, and the cut balances what the
-devices hold; faster is preferred where both fit; nothing fitting is said
-before anything runs, with the smallest memory that would fit (and that
-memory does fit); the step time counts the bubble on concurrent devices and
+Protected properties: every device of a plan fits its budget, less the
+headroom asked for; a model that does not fit one device is split over
+more, and the cut balances what the devices hold; faster is preferred where
+both fit; nothing fitting is said before anything runs, with the smallest
+memory that would fit, headroom included (and that memory does fit); the
+step time counts the bubble on concurrent devices and
 every action on devices that run one at a time; a cell of several layers
 adds what they keep.
 """
@@ -87,6 +88,72 @@ def test_nothing_fits_names_the_smallest_memory_that_does():
   assert smallest > 16 * MIB
   enough = planner.Devices(count=2, memory_bytes=smallest + 1)
   assert planner.CandidatePlans(_Profiles(), enough, batch_size=16)
+
+
+def test_a_plan_leaves_the_headroom_free():
+  """With a headroom, no predicted peak of any plan passes the plannable
+  share of the budget, and plans that would reach into it are dropped."""
+  tight = planner.CandidatePlans(
+      _Profiles(), planner.Devices(count=4, memory_bytes=48 * MIB),
+      batch_size=16)
+  devices = planner.Devices(count=4, memory_bytes=48 * MIB, headroom=0.25)
+  assert devices.plannable_bytes == 36 * MIB
+  plans = planner.CandidatePlans(_Profiles(), devices, batch_size=16)
+  assert plans and all(p.max_peak_bytes <= 36 * MIB for p in plans)
+  # Some plan fits 48 MiB only by reaching into the headroom, and is gone.
+  assert any(p.max_peak_bytes > 36 * MIB for p in tight)
+  assert len(plans) < len(tight)
+  text = planner.Explain(plans, devices).Describe()
+  assert 'each within 36.0 MiB (48 MiB less a 25% headroom)' in text
+
+
+def test_nothing_fits_counts_the_headroom_in_the_memory_it_names():
+  devices = planner.Devices(count=2, memory_bytes=16 * MIB, headroom=0.2)
+  with pytest.raises(planner.NoPlanError,
+                     match=r'smallest per-device memory that would fit is '
+                     r'\d+ MiB \(a predicted peak of [\d.]+ MiB and the 20% '
+                     r'headroom\)') as raised:
+    planner.CandidatePlans(_Profiles(), devices, batch_size=16)
+  smallest = raised.value.smallest_memory_bytes
+  with pytest.raises(planner.NoPlanError) as without:
+    planner.CandidatePlans(_Profiles(), planner.Devices(count=2,
+                                                        memory_bytes=16 * MIB),
+                           batch_size=16)
+  assert smallest == pytest.approx(
+      without.value.smallest_memory_bytes / 0.8)
+  enough = planner.Devices(count=2, memory_bytes=smallest + 1, headroom=0.2)
+  assert planner.CandidatePlans(_Profiles(), enough, batch_size=16)
+
+
+def _CellsOf(plan, profiles):
+  """The plan's cells as cells (memory_model.CellProfile), as Refine takes."""
+  cells, start = [], 0
+  for count in plan.layer_counts:
+    cells.append(memory_model.CellProfile(
+        [profiles.Range(start, start + count, n) for n in (1, 16)]))
+    start += count
+  return cells
+
+
+def test_a_plan_whose_cells_reach_into_the_headroom_is_dropped():
+  profiles = _Profiles()
+  devices = planner.Devices(count=4, memory_bytes=48 * MIB)
+  plan = planner.CandidatePlans(profiles, devices, batch_size=16)[0]
+  refined = planner.Refine(plan, _CellsOf(plan, profiles), devices, 16)
+  assert refined is not None
+  # A headroom that leaves just less than the plan's largest peak.
+  just_under = planner.Devices(
+      count=4, memory_bytes=48 * MIB,
+      headroom=1 - 0.99 * refined.max_peak_bytes / (48 * MIB))
+  assert planner.Refine(plan, _CellsOf(plan, profiles), just_under,
+                        16) is None
+
+
+@pytest.mark.parametrize('headroom', [-0.1, 1.0, 2])
+def test_a_headroom_outside_0_to_1_is_refused(headroom):
+  with pytest.raises(ValueError, match=r'Devices.headroom=.*at least 0 and '
+                     r'below 1'):
+    planner.Devices(count=2, memory_bytes=MIB, headroom=headroom)
 
 
 def test_step_time_counts_the_bubble_or_every_action():

@@ -117,6 +117,24 @@ def test_plan_lets_workers_on_this_host_take_turns_on_its_cores(
   assert bool(chosen[0].bandwidth_bytes_per_s) == (at_once is not None)
 
 
+def test_plan_leaves_the_headroom_asked_for(monkeypatch):
+  from tfpipe.trainer import auto_plan  # pylint: disable=g-import-not-at-top
+  chosen = []
+  monkeypatch.setattr(auto_plan, 'Choose',
+                      lambda p, devices, **unused: chosen.append(devices))
+  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
+  with flagsaver.flagsaver(plan='auto', device_memory_mb=64, num_devices=2):
+    memory_budget.PlanIfAsked(p, FLAGS)
+  with flagsaver.flagsaver(plan='auto', device_memory_mb=64, num_devices=2,
+                           plan_headroom=0.25):
+    memory_budget.PlanIfAsked(p, FLAGS)
+  assert [d.plannable_bytes / 2**20 for d in chosen] == [
+      pytest.approx(57.6), 48]
+  with flagsaver.flagsaver():
+    with pytest.raises(flags.IllegalFlagValueError, match='plan_headroom'):
+      FLAGS.plan_headroom = 0.95
+
+
 @pytest.mark.parametrize('device_type, cluster, expected', [
     ('GPU', False, '/GPU:0'), ('CPU', False, None), ('GPU', True, None)])
 def test_plan_profiles_on_this_machines_gpu_only(monkeypatch, device_type,

@@ -9,7 +9,8 @@ gpipe.memory_profile) and the global batch, it chooses
     M micro-batches, the remat policy and the schedule,
 
 to minimise the predicted step time with every device's predicted peak
-(gpipe.memory_model) within its budget. This is PipeDream's optimizer with
+(gpipe.memory_model) within its budget, less a headroom for the model's
+error (`Devices.headroom`). This is PipeDream's optimizer with
 GPipe's constraint: a dynamic program over (the first i layers, j cells)
 minimises the slowest cell, and only cuts whose cell fits its device are
 allowed; what a cell holds on device j depends on the schedule (how many
@@ -77,6 +78,14 @@ class Devices:
     computing_at_once: of concurrent devices, how many can compute at the
       same time (None: all). Worker processes on one host share its cores:
       `HostComputingAtOnce` of them run at once and the others wait.
+    headroom: the fraction of each device's memory a plan leaves free; a
+      plan's every predicted peak is within `plannable_bytes`. The memory
+      model is a prediction: measured peaks have come out 3-7% above it
+      (GPipe Table 1's pipeline-8 on CPU workers, --plan=auto on logical
+      GPUs) and, where an allocator's chunk rounding or a kernel's scratch
+      was not seen by the profile, up to 20% and more
+      (benchmarks/RESULTS.md). 0 plans to the last byte; the trainer's
+      --plan_headroom defaults to 0.1.
   """
   count: int
   memory_bytes: float
@@ -85,6 +94,31 @@ class Devices:
   concurrent: bool = True
   step_call_s: float = 0.0
   computing_at_once: Optional[int] = None
+  headroom: float = 0.0
+
+  def __post_init__(self):
+    if not 0.0 <= self.headroom < 1.0:
+      raise ValueError(
+          f'Devices.headroom={self.headroom!r}: give the fraction of each '
+          "device's memory to leave free, at least 0 and below 1 (e.g. 0.1).")
+
+  @property
+  def plannable_bytes(self):
+    """What a plan's predicted peak may reach on each device."""
+    return self.memory_bytes * (1.0 - self.headroom)
+
+  def BudgetText(self):
+    """Each device's budget in words: '25 MiB', or '22.5 MiB (25 MiB less a
+    10% headroom)'."""
+    if not self.headroom:
+      return f'{self.memory_bytes / MIB:.0f} MiB'
+    return (f'{self.plannable_bytes / MIB:.1f} MiB '
+            f'({self.memory_bytes / MIB:.0f} MiB less a {self.headroom:.0%} '
+            'headroom)')
+
+  def MemoryNeeded(self, peak_bytes):
+    """The per-device memory whose plannable part holds `peak_bytes`."""
+    return peak_bytes / (1.0 - self.headroom)
 
 
 def HostComputingAtOnce(intra_op_threads=0, cores=None):
@@ -144,6 +178,8 @@ class PipelinePlan:
   time_parts: dict
   memory_bytes: float
   reasons: List[str] = dataclasses.field(default_factory=list)
+  # How `memory_bytes` was used: Devices.BudgetText().
+  budget_text: str = ''
 
   @property
   def max_peak_bytes(self):
@@ -161,8 +197,8 @@ class PipelinePlan:
         f'remat_policy={self.remat_policy}, schedule={self.schedule}.',
         f'  predicted step time {self.step_time_s:.3g}s ({parts})',
         f'  predicted peak per device {peaks} MiB, each within '
-        f'{self.memory_bytes / MIB:.0f} MiB (largest: '
-        f'{max(self.peaks, key=lambda p: p.peak_bytes).Describe()})']
+        f'{self.budget_text or f"{self.memory_bytes / MIB:.0f} MiB"}; the '
+        f'largest: {max(self.peaks, key=lambda p: p.peak_bytes).Describe()}']
     lines += [f'  why: {reason}' for reason in self.reasons]
     return '\n'.join(lines)
 
@@ -485,7 +521,7 @@ def CandidatePlans(profiles: LayerProfiles, devices: Devices, batch_size,
         target_example_bytes=target_example_bytes)
     candidate = _Candidate(profiles, k, r, step)
     found = _Cut(profiles, k, candidate.n, candidate.Seconds,
-                 candidate.Peak, devices.memory_bytes)
+                 candidate.Peak, devices.plannable_bytes)
     if found is None:
       # How much memory would it take? The cut that balances the peaks.
       balanced = candidate.Balanced()
@@ -499,16 +535,21 @@ def CandidatePlans(profiles: LayerProfiles, devices: Devices, batch_size,
                               r)
     plans.append(PipelinePlan(k, r, counts, m, remat, schedule,
                               candidate.Peaks(cells), seconds, parts,
-                              devices.memory_bytes))
+                              devices.memory_bytes,
+                              budget_text=devices.BudgetText()))
   if not plans:
     if smallest is None:
       raise NoPlanError(f'No configuration fits {devices.count} device(s): '
                         'the model has no layers to cut.', float('inf'))
+    need = devices.MemoryNeeded(smallest[0])
+    with_headroom = (
+        f' (a predicted peak of {smallest[0] / MIB:.1f} MiB and the '
+        f'{devices.headroom:.0%} headroom)' if devices.headroom else '')
     raise NoPlanError(
-        f'Nothing fits {devices.count} device(s) of '
-        f'{devices.memory_bytes / MIB:.0f} MiB each: the smallest per-device '
-        f'memory that would fit is {math.ceil(smallest[0] / MIB)} MiB, with '
-        f'{smallest[1]}.', smallest[0])
+        f'Nothing fits {devices.count} device(s) of {devices.BudgetText()} '
+        f'each: the smallest per-device memory that would fit is '
+        f'{math.ceil(need / MIB)} MiB{with_headroom}, with {smallest[1]}.',
+        need)
   plans.sort(key=lambda plan: plan.step_time_s)
   return plans
 
@@ -564,7 +605,7 @@ def Refine(plan, cells: Sequence[memory_model.CellProfile], devices,
       remat_policy=plan.remat_policy, input_example_bytes=input_example_bytes,
       target_example_bytes=target_example_bytes)
   peaks = memory_model.PredictPeaks(cells, step)
-  if any(p.peak_bytes > devices.memory_bytes for p in peaks):
+  if any(p.peak_bytes > devices.plannable_bytes for p in peaks):
     return None
   n = min(memory_model.MicroBatchSizes(step.batch_size,
                                        plan.num_micro_batches))

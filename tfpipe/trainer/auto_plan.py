@@ -88,8 +88,8 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
   """
   batch_size = p.input.batch_size
   sizes = ProfiledSizes(batch_size, devices.count)
-  log(f'Planning for {devices.count} device(s) of '
-      f'{devices.memory_bytes / MIB:.0f} MiB: profiling the layers at '
+  log(f'Planning for {devices.count} device(s) of {devices.BudgetText()}: '
+      'profiling the layers at '
       f'micro-batch sizes {sizes}...')
   profiles, profile_device = _OnDeviceOrCpu(
       lambda device: memory_report.PlannerProfiles(
@@ -128,6 +128,6 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
     return best
   raise planner.NoPlanError(
       f'The {_MAX_REFINEMENTS} fastest plans predicted to fit '
-      f'{devices.memory_bytes / MIB:.0f} MiB do not fit once their cells '
+      f'{devices.BudgetText()} do not fit once their cells '
       'are profiled; give more memory or devices.',
       devices.memory_bytes)

@@ -7,6 +7,8 @@
                            worker's hard limit) to the controller.
     --plan=auto            let gpipe.planner choose K, R, the cut, M, the
                            remat policy and the schedule (auto_plan).
+    --plan_headroom        the fraction of each device's memory the plan
+                           leaves free for the memory model's error.
     --neighbour_bandwidth_mbps
                            the planner's transfer speed between devices.
 
@@ -42,6 +44,12 @@ def DefineFlags():
                     'auto: choose partitions, replicas, the cut, '
                     'micro-batches, remat policy and schedule that fit '
                     '--device_memory_mb and train fastest (gpipe.planner).')
+  flags.DEFINE_float(
+      'plan_headroom', 0.1, 'Fraction of each device\'s memory that '
+      '--plan=auto leaves free: every predicted peak of the plan is within '
+      '(1 - plan_headroom) x --device_memory_mb. The memory model\'s '
+      'predictions have come out several percent below measured peaks; 0 '
+      'plans to the last byte.', lower_bound=0.0, upper_bound=0.9)
   flags.DEFINE_float('neighbour_bandwidth_mbps', None,
                      'Bandwidth between neighbouring devices in MB/s, for '
                      'the planner\'s transfer times (default: free).',
@@ -180,7 +188,8 @@ def PlanIfAsked(p, flag_values, log=print):
   devices = planner.Devices(
       count=count, memory_bytes=flag_values.device_memory_mb * MIB,
       bandwidth_bytes_per_s=bandwidth * 1e6 if bandwidth else None,
-      concurrent=concurrent, computing_at_once=at_once)
+      concurrent=concurrent, computing_at_once=at_once,
+      headroom=flag_values.plan_headroom)
   if multihost.ClusterFromFlags(flag_values) is not None:
     # A controller drives the workers: each step pays remote calls.
     devices = planner.RemoteWorkers(devices, same_host=at_once is not None)
