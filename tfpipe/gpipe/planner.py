@@ -85,7 +85,7 @@ class Devices:
       GPUs) and, where an allocator's chunk rounding or a kernel's scratch
       was not seen by the profile, up to 20% and more
       (benchmarks/RESULTS.md). 0 plans to the last byte; the trainer's
-      --plan_headroom defaults to 0.1.
+      --plan_headroom defaults to 0.15, the memory model's accuracy bar.
   """
   count: int
   memory_bytes: float

@@ -45,7 +45,7 @@ def DefineFlags():
                     'micro-batches, remat policy and schedule that fit '
                     '--device_memory_mb and train fastest (gpipe.planner).')
   flags.DEFINE_float(
-      'plan_headroom', 0.1, 'Fraction of each device\'s memory that '
+      'plan_headroom', 0.15, 'Fraction of each device\'s memory that '
       '--plan=auto leaves free: every predicted peak of the plan is within '
       '(1 - plan_headroom) x --device_memory_mb. The memory model\'s '
       'predictions have come out several percent below measured peaks; 0 '
