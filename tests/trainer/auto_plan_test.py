@@ -8,7 +8,8 @@ the planner sees that one device cannot hold it and trains it on two, every
 device within its limit; the same model forced onto one device runs out of
 memory with a short error that names the worker, the cell and its layers,
 the limit and the prediction, and exits with EXIT_OUT_OF_MEMORY, leaving the
-plan's checkpoints as they were. The plan's pieces are also checked alone:
+plan's checkpoints as they were; when nothing fits a budget, the memory
+the planner names trains it. The plan's pieces are also checked alone:
 the micro-batch sizes profiled, and the fallback to a CPU profile when the
 GPU's fails.
 """
@@ -16,6 +17,7 @@ GPU's fails.
 
 import hashlib
 import os
+import re
 import shutil
 
 import pytest
@@ -30,11 +32,11 @@ _MODEL = ['--model=mlp.TinyMlp',
           'task.model.num_hidden_layers: 8']
 
 
-def _Launch(logdir, num_workers, *args):
+def _Launch(logdir, num_workers, *args, memory_mb=25):
   return quiet_test.RunPython(
       '-m', 'tfpipe.launcher', f'--num_workers={num_workers}',
-      '--device_memory_mb=25', '--', *_MODEL, f'--logdir={logdir}', *args,
-      timeout=240)
+      f'--device_memory_mb={memory_mb}', '--', *_MODEL, f'--logdir={logdir}',
+      *args, timeout=240)
 
 
 def _Digests(directory):
@@ -73,6 +75,34 @@ def test_a_model_too_big_for_one_capped_worker_trains_on_two(tmp_path):
   assert '--plan=auto' in error
   assert 'ckpt-2) were not touched' in error or 'ckpt-2, is kept' in error
   assert _Digests(logdir / 'checkpoints') == checkpoints
+
+
+@pytest.mark.skipif(not shutil.which('unshare'),
+                    reason='needs unshare (util-linux) for loopback servers')
+def test_the_memory_named_when_nothing_fits_trains(tmp_path):
+  """Nothing fits 16 MiB: the planner says so before anything runs and
+  names a memory; workers of that memory then train the model. Planned to
+  the last byte, this model ran out of memory on workers of the memory the
+  planner named (benchmarks/RESULTS.md, "The planner's headroom"); the
+  default headroom leaves room for the memory model's error."""
+  small = _Launch(tmp_path / 'small', 2, '--plan=auto', '--max_steps=2',
+                  memory_mb=16)
+  assert small.returncode == out_of_memory.EXIT_OUT_OF_MEMORY, (
+      small.stdout[-2000:] + small.stderr[-3000:])
+  [error] = [line for line in small.stderr.splitlines()
+             if line.startswith('ERROR:')]
+  assert 'Nothing fits 2 device(s) of 13.6 MiB (16 MiB less a 15% headroom)' \
+      in error, error
+  named = re.search(r'the smallest per-device memory that would fit is '
+                    r'(\d+) MiB \(a predicted peak of', error)
+  assert named, error
+  assert not os.path.exists(tmp_path / 'small' / 'checkpoints')
+
+  fits = _Launch(tmp_path / 'fits', 2, '--plan=auto', '--max_steps=2',
+                 memory_mb=int(named.group(1)))
+  out = fits.stdout + fits.stderr
+  assert fits.returncode == 0, out[-3000:]
+  assert 'Final: step=2' in out
 
 
 def test_the_plan_is_written_into_the_params():
