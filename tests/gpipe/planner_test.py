@@ -5,9 +5,9 @@ headroom asked for; a model that does not fit one device is split over
 more, and the cut balances what the devices hold; faster is preferred where
 both fit; nothing fitting is said before anything runs, with the smallest
 memory that would fit, headroom included (and that memory does fit); the
-step time counts the bubble on concurrent devices and
-every action on devices that run one at a time; a cell of several layers
-adds what they keep.
+step time counts the bubble on concurrent devices and every action on
+devices that run one at a time; a cell of several layers adds what they
+keep.
 """
 
 import pytest

@@ -100,7 +100,7 @@ class Devices:
     if not 0.0 <= self.headroom < 1.0:
       raise ValueError(
           f'Devices.headroom={self.headroom!r}: give the fraction of each '
-          "device's memory to leave free, at least 0 and below 1 (e.g. 0.1).")
+          "device's memory to leave free, at least 0 and below 1 (e.g. 0.15).")
 
   @property
   def plannable_bytes(self):
@@ -108,8 +108,8 @@ class Devices:
     return self.memory_bytes * (1.0 - self.headroom)
 
   def BudgetText(self):
-    """Each device's budget in words: '25 MiB', or '22.5 MiB (25 MiB less a
-    10% headroom)'."""
+    """Each device's budget in words: '25 MiB', or '21.2 MiB (25 MiB less a
+    15% headroom)'."""
     if not self.headroom:
       return f'{self.memory_bytes / MIB:.0f} MiB'
     return (f'{self.plannable_bytes / MIB:.1f} MiB '
