@@ -94,6 +94,11 @@ def test_a_capped_process_quotes_its_own_shared_limit(monkeypatch):
   diagnosis = memory_budget.Diagnosis(p, FLAGS, ['/CPU:0', '/CPU:1'], None,
                                       None, None, last_good=None)
   assert (diagnosis.limit_mb, diagnosis.shared_limit) == (12, True)
+  assert diagnosis.plan_headroom is None  # Not a planned run.
+  with flagsaver.flagsaver(plan='auto', plan_headroom=0.2):
+    planned = memory_budget.Diagnosis(p, FLAGS, ['/CPU:0'], None, None, None,
+                                      last_good=None)
+  assert planned.plan_headroom == 0.2
 
 
 @pytest.mark.parametrize('hosts, at_once', [

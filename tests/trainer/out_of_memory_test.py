@@ -234,6 +234,26 @@ def test_advice_leaves_out_what_is_already_set():
   assert '--num_micro_batches=16' in advice
 
 
+def test_a_planned_run_is_told_to_leave_more_headroom():
+  """A run whose settings --plan=auto chose is not told to change them by
+  hand (the next plan would undo it), but to plan with more room."""
+  p = _Params(num_micro_batches=4, remat_policy='never')
+  diagnosis = out_of_memory.Diagnosis(
+      p, ['/job:worker/replica:0/task:0/device:CPU:0'], limit_mb=19,
+      plan_headroom=0.15)
+  record = oom_lib.OutOfMemoryRecord(
+      '/job:worker/replica:0/task:0/device:CPU:0', '512,512', 'float',
+      'bfc', '', '1.00MiB')
+  message = diagnosis.Message(record)
+  assert ('The plan left 15% of each device free (--plan_headroom), which '
+          'was not enough here: a larger one (--plan_headroom=0.25) makes '
+          '--plan=auto choose a plan with more room, or give more memory or '
+          'devices.') in message
+  assert '--num_partitions' not in message
+  assert 'plan_headroom=0.9)' in out_of_memory.Advice(p.task.pipeline,
+                                                        plan_headroom=0.85)
+
+
 def test_checkpoint_sentence_and_other_errors(tmp_path):
   assert out_of_memory.LastGood(None) == 'No checkpoint was written or changed.'
   (tmp_path / 'ckpt-3.index').write_text('')

@@ -235,4 +235,6 @@ def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
       workers=controller.workers if controller else None,
       watch=(watch if isinstance(watch, out_of_memory_reports.RecordFile)
              else None),
-      predict=Predict, last_good=last_good)
+      predict=Predict, last_good=last_good,
+      plan_headroom=(flag_values.plan_headroom
+                     if flag_values.plan == 'auto' else None))

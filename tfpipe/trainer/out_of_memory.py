@@ -72,8 +72,19 @@ def _TaskOf(name):
   return (job.group(1), int(task.group(1))) if job and task else None
 
 
-def Advice(pipeline_p, num_devices=None):
-  """What would lower a device's peak, given the pipeline's settings."""
+def Advice(pipeline_p, num_devices=None, plan_headroom=None):
+  """What would lower a device's peak, given the pipeline's settings.
+
+  `plan_headroom`: the headroom --plan=auto left, if it chose the settings;
+  the memory model then under-predicted this device by more than that, and
+  the fix is a plan with more room, not a hand-made one.
+  """
+  if plan_headroom is not None:
+    more = min(0.9, round(plan_headroom + 0.1, 2))
+    return (f'The plan left {plan_headroom:.0%} of each device free '
+            f'(--plan_headroom), which was not enough here: a larger one '
+            f'(--plan_headroom={more:g}) makes --plan=auto choose a plan '
+            'with more room, or give more memory or devices.')
   k = pipeline_p.num_partitions
   ideas = []
   if num_devices is None or num_devices > k * pipeline_p.num_replicas:
@@ -116,7 +127,8 @@ class Diagnosis:
   """Turns a failed run's error into an OutOfMemoryStop, if it was one."""
 
   def __init__(self, p, devices, limit_mb=None, shared_limit=False,
-               workers=None, watch=None, predict=None, last_good=None):
+               workers=None, watch=None, predict=None, last_good=None,
+               plan_headroom=None):
     """Args:
       p: the experiment params.
       devices: the pipeline's R*K device names (replica-major).
@@ -128,8 +140,10 @@ class Diagnosis:
       predict: fn() -> [memory_model.DevicePeak] of the step (may be slow;
         called only after an out-of-memory error).
       last_good: fn() -> the sentence about the last good checkpoint.
+      plan_headroom: the headroom --plan=auto left, if it made the plan.
     """
     self.p = p
+    self.plan_headroom = plan_headroom
     self.devices = list(devices)
     self.limit_mb = limit_mb
     self.shared_limit = shared_limit
@@ -258,7 +272,7 @@ class Diagnosis:
       parts.append(f'{limit}; {prediction}.')
     elif limit or prediction:
       parts.append(f'{limit or prediction[0].upper() + prediction[1:]}.')
-    parts.append(Advice(pp))
+    parts.append(Advice(pp, plan_headroom=self.plan_headroom))
     if self._last_good:
       parts.append(self._last_good().strip())
     return ' '.join(parts)
