@@ -64,6 +64,21 @@ def test_budget_lines_compare_each_device_with_the_budget():
   assert memory_report.SmallestBudgetMb(peaks) == 9
 
 
+def test_a_device_in_the_planners_headroom_is_called_tight():
+  p = _Params()
+  peaks = [memory_model.DevicePeak(0, [0], 6 * MIB, variable_bytes=MIB,
+                                   action='B3.0'),
+           memory_model.DevicePeak(1, [1], 7.5 * MIB, variable_bytes=MIB,
+                                   action='F0.1')]
+  lines = memory_report.BudgetLines(p, peaks, 8, ['/CPU:0', '/CPU:1'],
+                                    headroom=0.15)
+  assert lines[2].split()[6] == 'yes' and lines[3].split()[6] == 'tight'
+  assert lines[-1].startswith('A tight device is predicted within its 8 MiB '
+                              'but in the last 15% of it')
+  assert 'tight' not in '\n'.join(memory_report.BudgetLines(
+      p, peaks, 9, ['/CPU:0', '/CPU:1'], headroom=0.15))
+
+
 def test_profiles_run_with_the_devices_intra_op_threads(monkeypatch):
   """The update's working set follows how many ops run at once, so a
   profile for devices of one intra-op thread runs in a subprocess that has

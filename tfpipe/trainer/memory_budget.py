@@ -211,7 +211,8 @@ def InspectLines(p, flag_values, devices):
       single_threaded_calls=_SingleThreadedCalls(devices),
       device=_ProfileDevice(devices)))
   peaks = memory_report.PredictPeaks(p, profiles, example)
-  return memory_report.BudgetLines(p, peaks, budget, devices)
+  return memory_report.BudgetLines(p, peaks, budget, devices,
+                                   headroom=flag_values.plan_headroom)
 
 
 def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):

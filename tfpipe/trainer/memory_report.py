@@ -148,11 +148,15 @@ def PredictPeaks(p, profiles, example=None):
   return memory_model.PredictPeaks(profiles, StepConfig(p, example))
 
 
-def BudgetLines(p, peaks, budget_mb=None, devices=None):
+def BudgetLines(p, peaks, budget_mb=None, devices=None, headroom=0.0):
   """inspect_model's memory section: per device, prediction and budget.
 
     device    cells   predicted   budget   fits   largest moment
     /CPU:0    cell0     41.2 MiB   64 MiB   yes   B3.0: variables ...
+
+  A device predicted within its budget but above (1 - headroom) of it is
+  'tight': --plan=auto keeps that share free (--plan_headroom) because
+  measured peaks have come out above the memory model's predictions.
   """
   header = (f'Predicted peak memory per device (memory model: one profiled '
             f'step per distinct cell; schedule={p.task.pipeline.schedule}, '
@@ -160,21 +164,30 @@ def BudgetLines(p, peaks, budget_mb=None, devices=None):
             f'remat={p.task.pipeline.remat_policy})')
   lines = [header,
            f'{"device":<12} {"cells":<10} {"predicted":>11} {"budget":>9} '
-           f'{"fits":>4}  at its peak']
+           f'{"fits":>5}  at its peak']
   for peak in peaks:
     device = devices[peak.cells[0]] if devices else f'device {peak.device}'
     budget = f'{budget_mb} MiB' if budget_mb else '-'
     fits = ('-' if not budget_mb else
-            'yes' if peak.peak_bytes <= budget_mb * MIB else 'NO')
+            'NO' if peak.peak_bytes > budget_mb * MIB else
+            'tight' if peak.peak_bytes > (1 - headroom) * budget_mb * MIB
+            else 'yes')
     cells = ','.join(f'cell{k}' for k in peak.cells)
     lines.append(f'{device:<12} {cells:<10} '
-                 f'{peak.peak_bytes / MIB:>7.1f} MiB {budget:>9} {fits:>4}  '
+                 f'{peak.peak_bytes / MIB:>7.1f} MiB {budget:>9} {fits:>5}  '
                  f'{peak.Describe()}')
   if budget_mb and any(peak.peak_bytes > budget_mb * MIB for peak in peaks):
     lines.append(
         f'Some device does not fit its {budget_mb} MiB: raise '
         '--num_partitions or --num_micro_batches, use --remat_policy=always '
         'or --balance=memory, or let --plan=auto choose.')
+  elif budget_mb and any(peak.peak_bytes > (1 - headroom) * budget_mb * MIB
+                         for peak in peaks):
+    lines.append(
+        f'A tight device is predicted within its {budget_mb} MiB but in the '
+        f'last {headroom:.0%} of it, which --plan=auto leaves free '
+        '(--plan_headroom): measured peaks have come out above the '
+        'prediction, so it may run out of memory.')
   return lines
 
 
