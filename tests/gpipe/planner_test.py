@@ -13,6 +13,7 @@ keep.
 import pytest
 
 from tfpipe.gpipe import memory_model
+from tfpipe.gpipe import plan_devices
 from tfpipe.gpipe import planner
 
 MIB = 2**20
@@ -149,13 +150,6 @@ def test_a_plan_whose_cells_reach_into_the_headroom_is_dropped():
                         16) is None
 
 
-@pytest.mark.parametrize('headroom', [-0.1, 1.0, 2])
-def test_a_headroom_outside_0_to_1_is_refused(headroom):
-  with pytest.raises(ValueError, match=r'Devices.headroom=.*at least 0 and '
-                     r'below 1'):
-    planner.Devices(count=2, memory_bytes=MIB, headroom=headroom)
-
-
 def test_step_time_counts_the_bubble_or_every_action():
   cells = [_Layer(4), _Layer(4, True)]
   step = memory_model.StepConfig('gpipe', 4, 16, 'always')
@@ -186,7 +180,7 @@ def test_remote_workers_pay_the_step_calls_and_transfer_latency(concurrent):
   remote = planner.RemoteWorkers(local)
   local_s, _ = planner.StepTime(cells, step, local)
   remote_s, parts = planner.StepTime(cells, step, remote)
-  assert parts['per step'] > 2 * planner.REMOTE_STEP_FUNCTION_CALL_S
+  assert parts['per step'] > 2 * plan_devices.REMOTE_STEP_FUNCTION_CALL_S
   assert parts['transfers'] > 0
   assert remote_s > local_s + parts['per step']
   # A step spanning more workers costs the controller more.
@@ -195,13 +189,6 @@ def test_remote_workers_pay_the_step_calls_and_transfer_latency(concurrent):
   # Workers on the controller's host send at loopback speed.
   assert remote.bandwidth_bytes_per_s is None
   assert planner.RemoteWorkers(local, same_host=True).bandwidth_bytes_per_s
-
-
-def test_host_computing_at_once_is_its_cores_over_each_workers_threads():
-  assert planner.HostComputingAtOnce(intra_op_threads=1, cores=2) == 2
-  assert planner.HostComputingAtOnce(intra_op_threads=0, cores=2) == 1
-  assert planner.HostComputingAtOnce(intra_op_threads=4, cores=2) == 1
-  assert planner.HostComputingAtOnce(intra_op_threads=2, cores=16) == 8
 
 
 def test_devices_beyond_those_computing_at_once_take_turns():

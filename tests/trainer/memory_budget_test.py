@@ -105,12 +105,12 @@ def test_a_capped_process_quotes_its_own_shared_limit(monkeypatch):
     (('127.0.0.1', 'localhost'), 2), (('127.0.0.1', 'h1.example'), None)])
 def test_plan_lets_workers_on_this_host_take_turns_on_its_cores(
     monkeypatch, hosts, at_once):
-  from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+  from tfpipe.gpipe import plan_devices  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import auto_plan  # pylint: disable=g-import-not-at-top
   chosen = []
   monkeypatch.setattr(auto_plan, 'Choose',
                       lambda p, devices, **unused: chosen.append(devices))
-  monkeypatch.setattr(planner.os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3},
+  monkeypatch.setattr(plan_devices.os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3},
                       raising=False)
   spec = f'controller=127.0.0.1:1;worker={hosts[0]}:2,{hosts[1]}:3'
   p = model_registry.GetParams('mlp.TinyMlp', 'Train')

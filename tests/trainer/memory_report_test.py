@@ -50,12 +50,17 @@ def test_layers_become_one_layer_cells():
   assert all(c.sub[0].random_seed is not None for c in cells)
 
 
+def _TwoPeaks(first_mib, second_mib):
+  """Two devices' predicted peaks, one cell each."""
+  return [memory_model.DevicePeak(0, [0], first_mib * MIB, variable_bytes=MIB,
+                                  action='B3.0'),
+          memory_model.DevicePeak(1, [1], second_mib * MIB,
+                                  variable_bytes=MIB, action='F0.1')]
+
+
 def test_budget_lines_compare_each_device_with_the_budget():
   p = _Params()
-  peaks = [memory_model.DevicePeak(0, [0], 3 * MIB, variable_bytes=MIB,
-                                   action='B3.0'),
-           memory_model.DevicePeak(1, [1], 9 * MIB, variable_bytes=MIB,
-                                   action='F0.1')]
+  peaks = _TwoPeaks(3, 9)
   lines = memory_report.BudgetLines(p, peaks, 8, ['/CPU:0', '/CPU:1'])
   assert lines[0].startswith('Predicted peak memory per device')
   assert lines[2].split()[:6] == ['/CPU:0', 'cell0', '3.0', 'MiB', '8', 'MiB']
@@ -66,10 +71,7 @@ def test_budget_lines_compare_each_device_with_the_budget():
 
 def test_a_device_in_the_planners_headroom_is_called_tight():
   p = _Params()
-  peaks = [memory_model.DevicePeak(0, [0], 6 * MIB, variable_bytes=MIB,
-                                   action='B3.0'),
-           memory_model.DevicePeak(1, [1], 7.5 * MIB, variable_bytes=MIB,
-                                   action='F0.1')]
+  peaks = _TwoPeaks(6, 7.5)
   lines = memory_report.BudgetLines(p, peaks, 8, ['/CPU:0', '/CPU:1'],
                                     headroom=0.15)
   assert lines[2].split()[6] == 'yes' and lines[3].split()[6] == 'tight'

@@ -38,9 +38,9 @@ __getattr__, __dir__, __all__ = lazy_exports.Attach(__name__, {
         'PartitionSequentialLayers',
     ],
     'pipelining_layer': ['PipeliningLayer'],
-    'planner': ['CandidatePlans', 'Devices', 'LayerProfiles',
-                'MemoryBalancedCut', 'NoPlanError', 'PipelinePlan',
-                'PlanPipeline'],
+    'plan_devices': ['Devices'],
+    'planner': ['CandidatePlans', 'LayerProfiles', 'MemoryBalancedCut',
+                'NoPlanError', 'PipelinePlan', 'PlanPipeline'],
     'reference': ['UnpipelinedReference'],
     'runtime': ['REMAT_POLICIES'],
     'schedule': [

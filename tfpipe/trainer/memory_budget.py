@@ -118,8 +118,8 @@ def _Devices(flag_values):
     at_once = None
     if all(address.rsplit(':', 1)[0] in _LOCAL_HOSTS
            for _, address in workers):
-      from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
-      at_once = planner.HostComputingAtOnce(_IntraOpThreads(flag_values))
+      from tfpipe.gpipe import plan_devices  # pylint: disable=g-import-not-at-top
+      at_once = plan_devices.HostComputingAtOnce(_IntraOpThreads(flag_values))
     return len(workers) * flag_values.devices_per_worker, True, at_once
   device_type = devices_lib.ChooseDeviceType(flag_values.run_locally)
   if flag_values.num_devices:
@@ -178,21 +178,21 @@ def PlanIfAsked(p, flag_values, log=print):
   """
   if flag_values.plan != 'auto':
     return None
-  from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+  from tfpipe.gpipe import plan_devices  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import auto_plan  # pylint: disable=g-import-not-at-top
   if not flag_values.device_memory_mb:
     raise ValueError('--plan=auto plans for a per-device memory: pass '
                      '--device_memory_mb.')
   count, concurrent, at_once = _Devices(flag_values)
   bandwidth = flag_values.neighbour_bandwidth_mbps
-  devices = planner.Devices(
+  devices = plan_devices.Devices(
       count=count, memory_bytes=flag_values.device_memory_mb * MIB,
       bandwidth_bytes_per_s=bandwidth * 1e6 if bandwidth else None,
       concurrent=concurrent, computing_at_once=at_once,
       headroom=flag_values.plan_headroom)
   if multihost.ClusterFromFlags(flag_values) is not None:
     # A controller drives the workers: each step pays remote calls.
-    devices = planner.RemoteWorkers(devices, same_host=at_once is not None)
+    devices = plan_devices.RemoteWorkers(devices, same_host=at_once is not None)
   return auto_plan.Choose(p, devices, log=log,
                           intra_op_threads=_IntraOpThreads(flag_values),
                           profile_device=_PlanProfileDevice(flag_values))
