@@ -157,8 +157,11 @@ def _RunTrial():
   from tfpipe import quiet  # pylint: disable=g-import-not-at-top
   tf = quiet.ImportTensorFlow()
   tf.get_logger().setLevel('ERROR')
+  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
   from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  # naive-1's one capped device, as its workers are: one region.
+  memory_limit.OpenOneRegion()
   p = ExperimentParams(FLAGS.family, FLAGS.size)
   batch = tf.nest.map_structure(tf.convert_to_tensor,
                                 memory_report.ExampleBatch(p))

@@ -2,13 +2,20 @@
 
 Protected properties: a capped process gets the BFC allocator and exactly
 the limit asked for, the limit is read back from an environment, an
-environment without BFC has no limit (TensorFlow would ignore it), and a
-bad limit is refused naming the value.
+environment without BFC has no limit (TensorFlow would ignore it), a
+bad limit is refused naming the value, and a capped process can hold its
+whole limit in tensors, as an accelerator of that memory can.
 """
+
+import os
+import subprocess
+import sys
 
 import pytest
 
 from tfpipe import memory_limit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_capped_environment_has_bfc_and_the_limit():
@@ -38,3 +45,40 @@ def test_a_limit_without_bfc_is_no_limit():
 def test_a_bad_limit_names_the_value(bad):
   with pytest.raises(ValueError, match=f'device_memory_mb={bad!r}'):
     memory_limit.CappedEnv(bad)
+
+
+_TWENTY_VARIABLES = r'''
+from tfpipe import memory_limit
+import tensorflow as tf
+opened = memory_limit.OpenOneRegion()
+again = memory_limit.OpenOneRegion()
+held = [tf.Variable(tf.zeros([256, 1024])) for _ in range(20)]  # 1 MiB each
+print(opened, again, len(held), flush=True)
+'''
+
+
+def test_a_capped_process_holds_its_whole_limit_as_a_gpu_does():
+  """A CPU capped at 21 MiB is an accelerator of 21 MiB: twenty variables
+  of 1 MiB fit. On the allocator as it grows by regions, 17 fitted (each
+  region's tail went to waste) and the eighteenth crashed the process. It
+  is done once, before the first tensor."""
+  env = memory_limit.CappedEnv(21)
+  env['PYTHONPATH'] = ROOT
+  env['TF_CPP_MIN_LOG_LEVEL'] = '3'
+  result = subprocess.run([sys.executable, '-c', _TWENTY_VARIABLES], env=env,
+                          cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split() == ['True', 'False', '20'], result.stdout
+
+
+def test_an_uncapped_process_keeps_its_allocator_as_it_is():
+  env = memory_limit.CappedEnv(None)
+  env['PYTHONPATH'] = ROOT
+  env['TF_CPP_MIN_LOG_LEVEL'] = '3'
+  result = subprocess.run(
+      [sys.executable, '-c',
+       'from tfpipe import memory_limit; print(memory_limit.OpenOneRegion())'],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+      check=False)
+  assert result.stdout.split() == ['False'], result.stderr[-2000:]

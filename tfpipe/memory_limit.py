@@ -17,12 +17,24 @@ shared by all of them.
 The BFC allocator also counts: `tf.config.experimental.get_memory_info`
 reports the bytes in use and the peak, which the default CPU allocator does
 not.
+
+A GPU's allocator takes its whole memory as one region when the process
+starts; the CPU's grows by regions of 2, 4, 8, ... MiB as allocations need
+them. A tensor cannot span two regions, and a free chunk is split only when
+it is at least twice the request, so on a capped CPU the last tensor of each
+region took the region's whole tail: on a 21 MiB cap, 17 variables of 1 MiB
+fit where 20 do on a GPU-like allocator, and the same pipeline peaked 1 to 4
+MiB higher from one start to the next, as the variables happened to fall
+(benchmarks/RESULTS.md, "One region per capped process"). OpenOneRegion makes
+the first allocation of a capped process the whole limit, so its allocator
+is one region, as a GPU's is.
 """
 
 import os
 
 BFC_ENV = 'TF_CPU_ALLOCATOR_USE_BFC'
 LIMIT_ENV = 'TF_CPU_BFC_MEM_LIMIT_IN_MB'
+MIB = 2**20
 
 
 def CappedEnv(memory_mb, environ=None):
@@ -65,3 +77,32 @@ def LimitMb(environ=None):
   except ValueError:
     return None
   return value if value > 0 else None
+
+
+def OpenOneRegion():
+  """Makes a capped process's CPU allocator one region of its whole limit.
+
+  Call it before the process's first tensor: the allocator's first region
+  is sized by the first allocation, and this one asks for the whole limit
+  (a copy of a NumPy array, the only tensor whose creation allocates
+  nothing before it), then frees it. Its pages stay the process's, as a
+  GPU's memory is its process's from the start.
+
+  Returns:
+    True if the allocator is now one region of the limit; False if the
+    process has no limit, or allocated before (its regions are as they
+    grew: the memory it holds then counts as before).
+  """
+  limit = LimitMb()
+  if limit is None:
+    return False
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if tf.config.experimental.get_memory_info('CPU:0')['peak'] > 0:
+    return False
+  with tf.device('/CPU:0'):
+    region = tf.constant(np.zeros(limit * MIB, np.uint8))
+  opened = tf.config.experimental.get_memory_info('CPU:0')['peak'] >= (
+      limit * MIB)
+  del region
+  return opened

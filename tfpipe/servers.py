@@ -28,6 +28,7 @@ import sys
 import time
 
 from tfpipe import cluster_spec as cluster_spec_lib
+from tfpipe import memory_limit
 from tfpipe import network_namespace
 
 # HTTP/2 connection preface followed by an empty SETTINGS frame. A live gRPC
@@ -124,6 +125,8 @@ def StartServer(cluster_spec, job, task, bind_address='127.0.0.1',
   name = cluster_spec_lib.TaskName(job, task)
   address = _TaskAddress(cluster_spec, job, task)
   CheckBindAddress(bind_address, address, name)
+  # A capped worker is an emulated accelerator: its memory one region.
+  memory_limit.OpenOneRegion()
   config = tf.compat.v1.ConfigProto(
       device_count={'CPU': num_devices},
       intra_op_parallelism_threads=intra_op_threads,

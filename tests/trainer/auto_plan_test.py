@@ -119,6 +119,55 @@ def test_the_plan_is_written_into_the_params():
               2, 2, [2, 3], 4, 'except_last', '1f1b')
 
 
+def _Plan(layer_counts, m, remat='never', schedule='1f1b'):
+  return planner.PipelinePlan(
+      num_partitions=len(layer_counts), num_replicas=1,
+      layer_counts=list(layer_counts), num_micro_batches=m,
+      remat_policy=remat, schedule=schedule, peaks=[], step_time_s=0.1,
+      time_parts={}, memory_bytes=1.0)
+
+
+def test_plans_that_share_their_cells_are_checked_on_one_profile():
+  """The three fastest plans were one cut at M=2 that did not fit once
+  profiled as cells; M=1, next, did, and must be found."""
+  plans = [_Plan([4, 5], 2, 'never', '1f1b'),
+           _Plan([4, 5], 2, 'never', 'gpipe'),
+           _Plan([4, 5], 2, 'except_last', '1f1b'),
+           _Plan([4, 5], 1)]
+  profiled, lines = [], []
+
+  def Profile(plan, sizes):
+    profiled.append((tuple(plan.layer_counts), tuple(sizes)))
+    return ['cells at', sizes]
+
+  def Refine(plan, cells):
+    assert cells == ['cells at', [32 // plan.num_micro_batches]]
+    return None if plan.num_micro_batches == 2 else 'refined'
+
+  plan, refined = auto_plan.FirstThatFits(plans, 32, Profile, Refine,
+                                          '17.8 MiB', 21.0, lines.append)
+  assert plan is plans[3] and refined == 'refined'
+  assert profiled == [((4, 5), (16,)), ((4, 5), (32,))]
+  assert len(lines) == 3 and all('do not fit' in line for line in lines)
+
+
+def test_no_plan_fits_after_three_cuts_are_profiled():
+  plans = [_Plan([k, 9 - k], m) for k in (2, 3, 4, 5) for m in (1, 2)]
+  profiled = []
+
+  def Profile(plan, sizes):
+    profiled.append(plan)
+    return []
+
+  with pytest.raises(planner.NoPlanError) as raised:
+    auto_plan.FirstThatFits(plans, 32, Profile, lambda plan, cells: None,
+                            '17.8 MiB', 21.0, lambda line: None)
+  assert len(profiled) == 3
+  assert str(raised.value).startswith(
+      'The 3 fastest plans predicted to fit 17.8 MiB (their 3 distinct cuts '
+      'and micro-batch sizes) do not fit once their cells are profiled')
+
+
 def test_layers_are_profiled_at_every_halving_of_the_batch():
   assert auto_plan.ProfiledSizes(64, 2) == [1, 2, 4, 8, 16, 32, 64]
   assert auto_plan.ProfiledSizes(4096, 2) == [

@@ -4,7 +4,8 @@ Before anything runs, the experiment's layers are profiled (one short step
 per distinct layer, in a subprocess with a counting allocator; see
 gpipe.memory_profile), the planner picks the fastest configuration whose
 every device fits `--device_memory_mb`, the chosen cells are profiled as
-cells to check it (the next best is taken if they no longer fit), and the
+cells to check it (the next best is taken if they no longer fit, each cut
+profiled once), and the
 plan is written into the params: task.pipeline.num_partitions, balance (the
 layer counts of the cut), num_micro_batches, remat_policy, schedule and
 num_replicas. The plan and why it was chosen are printed. If nothing fits,
@@ -16,8 +17,11 @@ from tfpipe.gpipe import planner
 from tfpipe.trainer import memory_report
 
 MIB = 2**20
-# Plans tried, best first, when the chosen cells profiled as cells no longer
-# fit (the layers' sum is an estimate).
+# Distinct cells (a cut at a micro-batch size) profiled, best plan first,
+# when the chosen cells profiled as cells no longer fit (the layers' sum is
+# an estimate). The plans that share profiled cells (another schedule or
+# remat policy) are re-predicted from them at no cost: the three fastest
+# plans were once all one cut at M=2, and the run stopped although M=1 fit.
 _MAX_REFINEMENTS = 3
 
 
@@ -101,33 +105,69 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
       profiles, devices, batch_size,
       input_example_bytes=step.input_example_bytes,
       target_example_bytes=step.target_example_bytes)
-  for plan in plans[:_MAX_REFINEMENTS]:
+
+  def ProfileCellsOf(plan, n):
     candidate = p.Copy()
     ApplyPlan(candidate, plan)
-    n = sorted(set(memory_model.MicroBatchSizes(
-        batch_size // plan.num_replicas, plan.num_micro_batches)))
     cells, _ = _OnDeviceOrCpu(
-        lambda device, c=candidate, n=n: memory_report.Profile(
+        lambda device: memory_report.Profile(
             memory_report.ProfileRequest(
-                c, micro_batch_sizes=n, example=example,
+                candidate, micro_batch_sizes=n, example=example,
                 intra_op_threads=intra_op_threads, device=device),
             in_subprocess=device is not None),
         profile_device, log)
-    refined = planner.Refine(plan, cells, devices, batch_size,
-                             step.input_example_bytes,
-                             step.target_example_bytes)
-    if refined is None:
-      log(f'  {plan.num_partitions} partition(s), M='
-          f'{plan.num_micro_batches}, {plan.remat_policy}, {plan.schedule}: '
-          'its cells, profiled as cells, do not fit; trying the next.')
-      continue
-    best = planner.Explain([refined] + [q for q in plans if q is not plan],
-                           devices)
-    ApplyPlan(p, best)
-    log(best.Describe())
-    return best
+    return cells
+
+  plan, refined = FirstThatFits(
+      plans, batch_size, ProfileCellsOf,
+      lambda plan, cells: planner.Refine(
+          plan, cells, devices, batch_size, step.input_example_bytes,
+          step.target_example_bytes),
+      devices.BudgetText(), devices.memory_bytes, log)
+  best = planner.Explain([refined] + [q for q in plans if q is not plan],
+                         devices)
+  ApplyPlan(p, best)
+  log(best.Describe())
+  return best
+
+
+def FirstThatFits(plans, batch_size, profile_cells, refine, budget_text,
+                  memory_bytes, log=print):
+  """(plan, refined plan) of the first of `plans` (best first) that still
+  fits once its cells are profiled as cells.
+
+  Args:
+    plans: planner.PipelinePlans, best first.
+    batch_size: the global batch.
+    profile_cells: (plan, micro-batch sizes) -> its CellProfiles.
+    refine: (plan, cell profiles) -> the re-predicted plan, or None when a
+      device no longer fits (planner.Refine).
+    budget_text, memory_bytes: the devices' budget, for the error.
+    log: where the plans dropped are said.
+
+  Raises:
+    planner.NoPlanError: the plans of the first _MAX_REFINEMENTS distinct
+      cuts (and micro-batch sizes) do not fit.
+  """
+  cell_profiles = {}  # (cut, replicas, micro-batch sizes) -> CellProfiles
+  tried = 0
+  for plan in plans:
+    n = sorted(set(memory_model.MicroBatchSizes(
+        batch_size // plan.num_replicas, plan.num_micro_batches)))
+    key = (tuple(plan.layer_counts), plan.num_replicas, tuple(n))
+    if key not in cell_profiles:
+      if len(cell_profiles) == _MAX_REFINEMENTS:
+        break
+      cell_profiles[key] = profile_cells(plan, n)
+    tried += 1
+    refined = refine(plan, cell_profiles[key])
+    if refined is not None:
+      return plan, refined
+    log(f'  {plan.num_partitions} partition(s), M={plan.num_micro_batches}, '
+        f'{plan.remat_policy}, {plan.schedule}: its cells, profiled as '
+        'cells, do not fit; trying the next.')
   raise planner.NoPlanError(
-      f'The {_MAX_REFINEMENTS} fastest plans predicted to fit '
-      f'{devices.BudgetText()} do not fit once their cells '
-      'are profiled; give more memory or devices.',
-      devices.memory_bytes)
+      f'The {tried} fastest plans predicted to fit {budget_text} (their '
+      f'{len(cell_profiles)} distinct cuts and micro-batch sizes) do not fit '
+      'once their cells are profiled; give more memory or devices.',
+      memory_bytes)

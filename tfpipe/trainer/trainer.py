@@ -27,6 +27,7 @@ from absl import logging
 
 from tfpipe import command_line
 from tfpipe import devices
+from tfpipe import memory_limit
 from tfpipe import multihost
 from tfpipe import quiet
 from tfpipe.trainer import logdir_lock
@@ -261,6 +262,9 @@ def ConfigureDevices(p):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if FLAGS.deterministic:
     tf.config.experimental.enable_op_determinism()
+  # A capped process is an emulated accelerator: its memory one region,
+  # taken before its first tensor, as a GPU's is.
+  memory_limit.OpenOneRegion()
   return split
 
 
