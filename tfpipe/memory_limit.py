@@ -105,4 +105,6 @@ def OpenOneRegion():
   opened = tf.config.experimental.get_memory_info('CPU:0')['peak'] >= (
       limit * MIB)
   del region
+  # The peak is the process's tensors', not this reservation's.
+  tf.config.experimental.reset_memory_stats('CPU:0')
   return opened
