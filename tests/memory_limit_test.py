@@ -84,3 +84,19 @@ def test_an_uncapped_process_keeps_its_allocator_as_it_is():
       env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
       check=False)
   assert result.stdout.split() == ['False'], result.stderr[-2000:]
+
+
+def test_a_cap_above_half_the_host_only_counts():
+  """A cap larger than the host could hold is not taken at start: the
+  process would be killed for memory it never uses."""
+  env = memory_limit.CappedEnv(21)
+  env['PYTHONPATH'] = ROOT
+  env['TF_CPP_MIN_LOG_LEVEL'] = '3'
+  result = subprocess.run(
+      [sys.executable, '-c',
+       'from tfpipe import memory_limit\n'
+       'memory_limit._HostBytes = lambda: 40 * 2**20  # 21 > 40 / 2\n'
+       'print(memory_limit.OpenOneRegion())'],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+      check=False)
+  assert result.stdout.split() == ['False'], result.stderr[-2000:]

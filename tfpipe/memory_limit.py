@@ -35,6 +35,7 @@ import os
 BFC_ENV = 'TF_CPU_ALLOCATOR_USE_BFC'
 LIMIT_ENV = 'TF_CPU_BFC_MEM_LIMIT_IN_MB'
 MIB = 2**20
+_opened_one_region = False  # OpenOneRegion's, once per process.
 
 
 def CappedEnv(memory_mb, environ=None):
@@ -90,11 +91,13 @@ def OpenOneRegion():
 
   Returns:
     True if the allocator is now one region of the limit; False if the
-    process has no limit, or allocated before (its regions are as they
-    grew: the memory it holds then counts as before).
+    process has no limit, a limit above half the host's memory (a cap that
+    only counts), or allocated before (its regions are then as they grew).
   """
+  global _opened_one_region
   limit = LimitMb()
-  if limit is None:
+  if (_opened_one_region or limit is None or
+      limit * MIB > _HostBytes() / 2):
     return False
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -107,4 +110,12 @@ def OpenOneRegion():
   del region
   # The peak is the process's tensors', not this reservation's.
   tf.config.experimental.reset_memory_stats('CPU:0')
+  _opened_one_region = opened
   return opened
+
+
+def _HostBytes():
+  try:
+    return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+  except (ValueError, OSError, AttributeError):
+    return float('inf')

@@ -5,11 +5,11 @@ per distinct layer, in a subprocess with a counting allocator; see
 gpipe.memory_profile), the planner picks the fastest configuration whose
 every device fits `--device_memory_mb`, the chosen cells are profiled as
 cells to check it (the next best is taken if they no longer fit, each cut
-profiled once), and the
-plan is written into the params: task.pipeline.num_partitions, balance (the
-layer counts of the cut), num_micro_batches, remat_policy, schedule and
-num_replicas. The plan and why it was chosen are printed. If nothing fits,
-the run stops there, naming the smallest per-device memory that would fit.
+profiled once), and the plan is written into the params:
+task.pipeline.num_partitions, balance (the layer counts of the cut),
+num_micro_batches, remat_policy, schedule and num_replicas. The plan and
+why it was chosen are printed. If nothing fits, the run stops there, naming
+the smallest per-device memory that would fit.
 """
 
 from tfpipe.gpipe import memory_model
