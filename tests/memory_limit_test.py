@@ -47,6 +47,17 @@ def test_a_bad_limit_names_the_value(bad):
     memory_limit.CappedEnv(bad)
 
 
+def _RunInProcess(program, memory_mb):
+  """`python -c program` in a fresh process capped at memory_mb (None: the
+  counting allocator alone): its CompletedProcess."""
+  env = memory_limit.CappedEnv(memory_mb)
+  env['PYTHONPATH'] = ROOT
+  env['TF_CPP_MIN_LOG_LEVEL'] = '3'
+  return subprocess.run([sys.executable, '-c', program], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=120,
+                        check=False)
+
+
 _TWENTY_VARIABLES = r'''
 from tfpipe import memory_limit
 import tensorflow as tf
@@ -63,40 +74,24 @@ def test_a_capped_process_holds_its_whole_limit_as_a_gpu_does():
   of 1 MiB fit. On the allocator as it grows by regions, 17 fitted (each
   region's tail went to waste) and the eighteenth crashed the process. It
   is done once, before the first tensor, and leaves no peak behind."""
-  env = memory_limit.CappedEnv(21)
-  env['PYTHONPATH'] = ROOT
-  env['TF_CPP_MIN_LOG_LEVEL'] = '3'
-  result = subprocess.run([sys.executable, '-c', _TWENTY_VARIABLES], env=env,
-                          cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, check=False)
+  result = _RunInProcess(_TWENTY_VARIABLES, 21)
   assert result.returncode == 0, result.stderr[-2000:]
   # The reservation is not a peak of the process's tensors.
   assert result.stdout.split() == ['True', 'False', '0', '20'], result.stdout
 
 
 def test_an_uncapped_process_keeps_its_allocator_as_it_is():
-  env = memory_limit.CappedEnv(None)
-  env['PYTHONPATH'] = ROOT
-  env['TF_CPP_MIN_LOG_LEVEL'] = '3'
-  result = subprocess.run(
-      [sys.executable, '-c',
-       'from tfpipe import memory_limit; print(memory_limit.OpenOneRegion())'],
-      env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
-      check=False)
+  result = _RunInProcess(
+      'from tfpipe import memory_limit; print(memory_limit.OpenOneRegion())',
+      None)
   assert result.stdout.split() == ['False'], result.stderr[-2000:]
 
 
 def test_a_cap_above_half_the_host_only_counts():
   """A cap larger than the host could hold is not taken at start: the
   process would be killed for memory it never uses."""
-  env = memory_limit.CappedEnv(21)
-  env['PYTHONPATH'] = ROOT
-  env['TF_CPP_MIN_LOG_LEVEL'] = '3'
-  result = subprocess.run(
-      [sys.executable, '-c',
-       'from tfpipe import memory_limit\n'
-       'memory_limit._HostBytes = lambda: 40 * 2**20  # 21 > 40 / 2\n'
-       'print(memory_limit.OpenOneRegion())'],
-      env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
-      check=False)
+  result = _RunInProcess(
+      'from tfpipe import memory_limit\n'
+      'memory_limit._HostBytes = lambda: 40 * 2**20  # 21 > 40 / 2\n'
+      'print(memory_limit.OpenOneRegion())', 21)
   assert result.stdout.split() == ['False'], result.stderr[-2000:]
