@@ -25,9 +25,11 @@ The grid: a Transformer LM, AmoebaNet-D and an MLP; K in {1, 2, 4}; M in
 
 With --device=gpu the devices are logical GPUs of this process's GPU, each
 with its own allocator and a hard limit (--logical_gpu_memory_mb; default:
-the GPU shared evenly among max(--num_cells)). The cells are profiled on the
-first of them, so the profile counts what the GPU's kernels and libraries
-take, and each configuration's step runs in this process on the first K,
+the GPU shared evenly among max(--num_cells) + 1). The cells are profiled on
+the last of them, so the profile counts what the GPU's kernels and libraries
+take, and each configuration's step runs in this process on the first K
+(fresh allocators, as a real run's devices are: a device that was profiled
+on holds its variables elsewhere than a fresh one, MLP K=4 below),
 with the batch on the CPU as a controller's is; each device's peak is read
 from its own allocator (what the step adds over what was resident before
 the task was built).
@@ -77,6 +79,11 @@ flags.DEFINE_enum('device', 'cpu', ['cpu', 'gpu'], 'cpu: capped worker '
 flags.DEFINE_integer('logical_gpu_memory_mb', None, 'With --device=gpu: the '
                      'memory of each logical GPU, MiB (default: the GPU\'s '
                      'memory, less a reserve, shared evenly).', lower_bound=1)
+flags.DEFINE_integer('worker_memory_mb', None, 'With --device=cpu: each '
+                     'worker\'s hard limit, MiB. A capped worker\'s '
+                     'allocator is one region of it, as a GPU\'s is '
+                     '(tfpipe.memory_limit.OpenOneRegion); uncapped workers '
+                     'grow by regions.', lower_bound=1)
 flags.DEFINE_bool('reprofile', False, 'With --predict_from: profile the '
                   'cells again with the current profiler instead of using '
                   'the stored profiles.')
@@ -152,9 +159,10 @@ def _MeasureInProcess(p, devices, batch):
 
 def RunModelInProcess(model, devices, rows, log, save=None):
   """RunModel on devices of this process (logical GPUs): each K's cells
-  profiled once on devices[0], each configuration's step on devices[:K].
+  profiled once on devices[-1], each configuration's step on devices[:K].
   `save` gets the profiles so far after each row (a run cut short by a
   device lease keeps what it measured)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   example, sizes = _ExampleAndSizes(model)
   profiles = {}
@@ -162,9 +170,12 @@ def RunModelInProcess(model, devices, rows, log, save=None):
     k = p.task.pipeline.num_partitions
     if k not in profiles:
       start = time.time()
-      profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
-          p, micro_batch_sizes=sizes, example=example, device=devices[0]))
-      log(f'{model} K={k}: profiled its cells on {devices[0]} at '
+      # What the profile places by default (the optimizer's counters) goes
+      # to the spare device too, so devices[:K] start fresh.
+      with tf.device(devices[-1]):
+        profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
+            p, micro_batch_sizes=sizes, example=example, device=devices[-1]))
+      log(f'{model} K={k}: profiled its cells on {devices[-1]} at '
           f'micro-batch sizes {sizes} in {time.time() - start:.0f}s')
     start = time.time()
     measured = _MeasureInProcess(p, devices[:k], example)
@@ -236,16 +247,19 @@ def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
     profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
         p, micro_batch_sizes=sizes, example=example,
         intra_op_threads=capped_workers.INTRA_OP_THREADS,
-        single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS))
+        single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
+        allocator_slack=FLAGS.worker_memory_mb is not None))
     log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
         f'in {time.time() - start:.0f}s')
   workers = pending or capped_workers.CappedWorkers(
-      k, owner='memory_model_accuracy', wait=False)
+      k, memory_mb=FLAGS.worker_memory_mb, owner='memory_model_accuracy',
+      wait=False)
   pending = None
   if i + 1 < len(configurations):
     pending = capped_workers.CappedWorkers(
         configurations[i + 1].task.pipeline.num_partitions,
-        owner='memory_model_accuracy', wait=False)
+        memory_mb=FLAGS.worker_memory_mb, owner='memory_model_accuracy',
+        wait=False)
   start = time.time()
   try:
     measured = _Measure(p, workers, example, k)
@@ -294,7 +308,8 @@ def _ProfileAgain(base, example, by_k, log):
         memory_report.ProfileRequest(
             p, micro_batch_sizes=sizes, example=example,
             intra_op_threads=capped_workers.INTRA_OP_THREADS,
-            single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS))]
+            single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
+            allocator_slack=FLAGS.worker_memory_mb is not None))]
     log(f'K={k}: profiled again in {time.time() - start:.0f}s')
   return profiles
 
@@ -369,7 +384,7 @@ def main(argv):
   devices = None
   if FLAGS.device == 'gpu' and not FLAGS.predict_from:
     _, devices = bench_lib.LocalDevices(
-        max(int(k) for k in FLAGS.num_cells), 'gpu',
+        max(int(k) for k in FLAGS.num_cells) + 1, 'gpu',
         FLAGS.logical_gpu_memory_mb)
   start = time.time()
   rows = []

@@ -40,16 +40,17 @@ flags.FLAGS(['accuracy', '--models=mlp', '--num_cells=2',
              '--micro_batches=2', '--remat_policies=always',
              '--schedules=1f1b', '--measured_steps=1'])
 rows = []
-profiles = accuracy.RunModelInProcess('mlp', bench_lib.SplitCpu(2), rows,
+profiles = accuracy.RunModelInProcess('mlp', bench_lib.SplitCpu(3), rows,
                                       lambda line: None)
 print(json.dumps({'rows': rows, 'profiles': profiles}))
 '''
 
 
-def test_in_process_path_profiles_on_the_first_device_and_reads_each():
-  """--device=gpu's path (profile on devices[0], the step on devices[:K],
-  each device's allocator read), run on two logical CPU devices: they share
-  one allocator, so only the path and the row's shape are checked here."""
+def test_in_process_path_profiles_on_a_spare_device_and_reads_each():
+  """--device=gpu's path (profile on devices[-1], the step on devices[:K],
+  each device's allocator read), run on three logical CPU devices: they
+  share one allocator, so only the path and the row's shape are checked
+  here."""
   proc = quiet_test.RunPython('-c', _IN_PROCESS, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -98,6 +98,10 @@ _ONE_CELL_PEAK = _STEP_PEAK + r"""
 # One op at a time: the peak is then the schedule's, not the executor's
 # interleaving of two ops (which moves it by a few activations).
 tf.config.threading.set_inter_op_parallelism_threads(1)
+# One allocator region, as a device's (the process is capped): peaks then do
+# not move with where the regions of a growing allocator end.
+from tfpipe import memory_limit
+assert memory_limit.OpenOneRegion()
 # Small weights, large activations: a micro-batch's activations (8 x 128
 # KiB) dominate, not the gradients (8 x 16 KiB).
 print('RESULT' + json.dumps([
@@ -106,14 +110,15 @@ print('RESULT' + json.dumps([
 """
 
 
-def _ResultOf(script):
+def _ResultOf(script, memory_mb=None):
   """What `script` prints after RESULT (JSON), run in a process of its own
-  whose CPU allocator counts its peak (TF_CPU_ALLOCATOR_USE_BFC)."""
-  import os  # pylint: disable=g-import-not-at-top
+  whose CPU allocator counts its peak (TF_CPU_ALLOCATOR_USE_BFC), capped at
+  memory_mb if given."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true',
-             TF_CPP_MIN_LOG_LEVEL='2')
+  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
+  env = memory_limit.CappedEnv(memory_mb)
+  env['TF_CPP_MIN_LOG_LEVEL'] = '2'
   proc = subprocess.run([sys.executable, '-c', script], env=env,
                         capture_output=True, text=True, timeout=240,
                         check=False)
@@ -125,9 +130,12 @@ def _ResultOf(script):
 def test_one_cell_1f1b_keeps_one_micro_batch_at_a_time():
   """K=1, M=8: each 1F1B action is a fused F+B+W; its peak stays that of
   one micro-batch trained alone, not of several at once (a second one
-  adds about half)."""
-  one_micro_batch_peak, one_f_one_b_peak = _ResultOf(_ONE_CELL_PEAK)
-  assert one_f_one_b_peak <= 1.15 * one_micro_batch_peak, (
+  adds about half). The one micro-batch's own peak varies from one process
+  to the next (1.44 to 1.93 MiB in six runs, the 1F1B step's 1.72 to 1.83):
+  hence 1.3x, not less."""
+  one_micro_batch_peak, one_f_one_b_peak = _ResultOf(_ONE_CELL_PEAK,
+                                                      memory_mb=256)
+  assert one_f_one_b_peak <= 1.3 * one_micro_batch_peak, (
       one_f_one_b_peak, one_micro_batch_peak)
 
 

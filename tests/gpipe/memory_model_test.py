@@ -118,13 +118,31 @@ def test_except_last_keeps_only_the_last_micro_batch():
 def test_breakdown_adds_up_and_reads_well():
   for peak in _Peaks(3, '1f1b', 4, 'never'):
     parts = (peak.variable_bytes + peak.accumulator_bytes +
-             peak.optimizer_bytes + peak.other_bytes + peak.batch_bytes +
-             peak.gradient_bytes + peak.kept_bytes + peak.transient_bytes)
+             peak.optimizer_bytes + peak.other_bytes + peak.slack_bytes +
+             peak.batch_bytes + peak.gradient_bytes + peak.kept_bytes +
+             peak.transient_bytes)
     assert parts == pytest.approx(peak.peak_bytes)
     assert peak.Describe().startswith(f'{peak.peak_bytes / MIB:.1f} MiB at ')
   lines = memory_model.PeakTable(_Peaks(2, 'gpipe', 1, 'never'),
                                  budget_bytes=30 * MIB)
   assert 'does not fit' in lines[0] and 'cell 0' in lines[0]
+
+
+def test_the_allocator_slack_is_held_for_the_whole_step():
+  """A fresh device's build can hold more than its tensors (the allocator
+  slack, memory_profile.BuildSlack): it raises every moment of the step,
+  so every device's peak, by exactly its cells' slack, and is named."""
+  step = memory_model.StepConfig('1f1b', 4, 16, 'always')
+  without = memory_model.PredictPeaks(_Profiles(2), step)
+  profiles = [memory_model.CellProfile([
+      dataclasses.replace(_Cell(n, k == 1), allocator_slack_bytes=3 * MIB)
+      for n in (1, 8)]) for k in range(2)]
+  with_slack = memory_model.PredictPeaks(profiles, step)
+  for a, b in zip(without, with_slack):
+    assert b.peak_bytes - a.peak_bytes == 3 * MIB
+    assert b.slack_bytes == 3 * MIB and 'allocator slack 3.0' in b.Describe()
+  # Not a per-micro-batch part: interpolated sizes keep it.
+  assert profiles[0].At(4).allocator_slack_bytes == 3 * MIB
 
 
 def test_profiles_interpolate_affinely_and_keep_resident_fields():

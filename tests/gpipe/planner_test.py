@@ -10,6 +10,8 @@ devices that run one at a time; a cell of several layers adds what they
 keep.
 """
 
+import dataclasses
+
 import pytest
 
 from tfpipe.gpipe import memory_model
@@ -50,6 +52,14 @@ def test_combined_layers_add_what_they_keep():
   assert three.kept['always'] == 0
   assert three.backward_peak['always'] > one.backward_peak['always']
   assert three.is_last
+
+
+def test_a_cells_allocator_slack_is_its_largest_layers():
+  """The holes one layer's build leaves are taken by the next layer's
+  tensors: a cell holds about one layer's slack, not their sum."""
+  layers = [dataclasses.replace(_Layer(4), allocator_slack_bytes=s * MIB)
+            for s in (1, 3, 2)]
+  assert planner.CombineLayers(layers).allocator_slack_bytes == 3 * MIB
 
 
 def test_a_model_too_big_for_one_device_is_split_to_fit():

@@ -46,7 +46,8 @@ SCHEDULES = ('gpipe', '1f1b', 'interleaved_1f1b')
 
 # Fields of CellMemory that do not depend on the micro-batch size.
 _RESIDENT_FIELDS = ('variable_bytes', 'other_variable_bytes',
-                    'optimizer_bytes', 'update_peak', 'update_s')
+                    'optimizer_bytes', 'allocator_slack_bytes', 'update_peak',
+                    'update_s')
 
 
 @dataclasses.dataclass
@@ -62,6 +63,12 @@ class CellMemory:
       gradient accumulators).
     other_variable_bytes: its other variables (batch-norm statistics).
     optimizer_bytes: the optimizer's slots for its variables.
+    allocator_slack_bytes: what a fresh one-region allocator (a GPU's, a
+      capped worker's) holds after building the cell's variables and slots,
+      beyond their bytes: BFC gives a request a whole free chunk when the
+      chunk is under twice its size, so a slot that lands in the hole left
+      by an initializer's temporaries can take nearly twice its bytes for
+      the whole run (memory_profile.BuildSlack).
     input_bytes: one micro-batch's input to the cell (what a device receives
       and, re-materialized, keeps).
     input_gradient_bytes: the float part of it (the gradient B hands back).
@@ -80,6 +87,7 @@ class CellMemory:
   variable_bytes: int = 0
   other_variable_bytes: int = 0
   optimizer_bytes: int = 0
+  allocator_slack_bytes: int = 0
   input_bytes: int = 0
   input_gradient_bytes: int = 0
   output_bytes: int = 0
@@ -97,9 +105,10 @@ class CellMemory:
 
   @property
   def resident_bytes(self):
-    """Variables, gradient accumulators, optimizer slots, other variables."""
+    """Variables, gradient accumulators, optimizer slots, other variables
+    and the allocator's slack around them."""
     return (2 * self.variable_bytes + self.optimizer_bytes +
-            self.other_variable_bytes)
+            self.other_variable_bytes + self.allocator_slack_bytes)
 
   def ToDict(self):
     return dataclasses.asdict(self)
@@ -197,8 +206,8 @@ class DevicePeak:
     device: the device's index in the schedule.
     cells: the cells it runs.
     peak_bytes: the prediction.
-    variable_bytes, accumulator_bytes, optimizer_bytes, other_bytes: the
-      resident part.
+    variable_bytes, accumulator_bytes, optimizer_bytes, other_bytes,
+      slack_bytes: the resident part (slack: CellMemory.allocator_slack_bytes).
     batch_bytes: the whole batch's inputs (first device) and targets (last).
     gradient_bytes: with one micro-batch, the weight gradients its backward
       actions made so far, kept until the update (there are no
@@ -216,6 +225,7 @@ class DevicePeak:
   accumulator_bytes: float = 0.0
   optimizer_bytes: float = 0.0
   other_bytes: float = 0.0
+  slack_bytes: float = 0.0
   batch_bytes: float = 0.0
   gradient_bytes: float = 0.0
   in_flight: int = 0
@@ -230,6 +240,7 @@ class DevicePeak:
              ('accumulators', self.accumulator_bytes),
              ('optimizer slots', self.optimizer_bytes),
              ('other variables', self.other_bytes),
+             ('allocator slack', self.slack_bytes),
              ('batch', self.batch_bytes),
              ('gradients', self.gradient_bytes),
              (f'{self.in_flight} micro-batch(es) in flight', self.kept_bytes),
@@ -372,14 +383,15 @@ def WalkDevice(sched, device, cell_at, step):
       variable_bytes=sum(c.variable_bytes for c in first),
       accumulator_bytes=0.0 if only else sum(c.variable_bytes for c in first),
       optimizer_bytes=sum(c.optimizer_bytes for c in first),
-      other_bytes=sum(c.other_variable_bytes for c in first))
+      other_bytes=sum(c.other_variable_bytes for c in first),
+      slack_bytes=sum(c.allocator_slack_bytes for c in first))
   if 0 in own:
     peak.batch_bytes += step.input_example_bytes * step.batch_size
   if last in own:
     peak.batch_bytes += step.target_example_bytes * step.batch_size
   walk = _DeviceWalk(peak, peak.variable_bytes + peak.accumulator_bytes +
                      peak.optimizer_bytes + peak.other_bytes +
-                     peak.batch_bytes)
+                     peak.slack_bytes + peak.batch_bytes)
   for a in acts:
     k, m = a.cell, a.micro_batch
     c = cell_at(k, sizes[m])

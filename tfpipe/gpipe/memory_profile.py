@@ -34,6 +34,19 @@ optimizer's slots and the working set of its update (global-norm clipping
 and the step) are measured on the cell's variables with the task's own
 optimizer.
 
+Every profile counts bytes in an allocator that has run other cells; a
+device starts empty. A fresh one-region allocator (a GPU's, a capped
+worker's: tfpipe.memory_limit.OpenOneRegion) can hold more than the
+variables and slots it was given: an initializer's temporaries leave a hole
+in front of the variable, the next small tensor takes its first bytes, and
+a slot of the variable's size then gets the rest of the hole whole (BFC
+splits a free chunk only if it is at least twice the request). On an MLP's
+1024x1024 layer with Adam that is 16 MiB held for 12, on a fresh logical
+GPU of an H200 and on a fresh capped CPU process alike. So each distinct
+cell's variables and slots are also built once on a fresh one-region
+allocator (`BuildSlack`), and what it holds beyond their bytes is the
+cell's `allocator_slack_bytes`.
+
 Counting bytes needs TensorFlow's BFC allocator on the CPU, which only
 TF_CPU_ALLOCATOR_USE_BFC=true set before TensorFlow starts gives:
 `ProfileCells` runs in such a process, and `ProfileInSubprocess` starts one
@@ -41,6 +54,8 @@ TF_CPU_ALLOCATOR_USE_BFC=true set before TensorFlow starts gives:
 without it.
 """
 
+import gc
+import math
 import os
 import pickle
 import re
@@ -385,6 +400,10 @@ class ProfileRequest:
       its kernels and libraries take, which a CPU profile cannot see, so a
       pipeline of GPUs is profiled on one of them (ProfileCells runs in the
       process that holds it).
+    allocator_slack: also measure each cell's allocator slack
+      (`BuildSlack`), which the devices have if their allocator is one
+      region from the start (GPUs, capped workers); False for devices
+      whose allocator grows by regions (uncapped CPU processes).
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -405,6 +424,7 @@ class ProfileRequest:
     self.intra_op_threads = 0
     self.single_threaded_calls = False
     self.device = None
+    self.allocator_slack = True
 
   def Select(self, indices):
     """Keeps only the cells at these pipeline positions."""
@@ -446,7 +466,109 @@ def ProfileCells(request, log=None):
             f'{request.micro_batch_sizes} in '
             f'{time.perf_counter() - start:.1f}s')
     profiles.append(done[key])
+  if request.allocator_slack:
+    _AddBuildSlack(request, done, log)
   return profiles
+
+
+def _AddBuildSlack(request, done, log=None):
+  """Sets each distinct cell's allocator_slack_bytes, measured by
+  BuildSlack in a fresh allocator per cell: on a GPU, one logical GPU per
+  cell of one process; on the CPU, which has one allocator per process, a
+  process per cell. (One allocator that built and freed another cell first
+  is not fresh: on an H200, the MLP K=4's second cell then showed no slack,
+  where a fresh device held 4 MiB more.)"""
+  last = request.num_cells - 1
+  first_of = {}
+  for i, (k, cell, shape) in enumerate(zip(request.positions, request.cells,
+                                           request.input_shapes)):
+    first_of.setdefault(CellSignature(cell, shape, k == last), i)
+  keys = list(first_of)
+  # Room for the largest build: its variables, slots, and an initializer's
+  # temporaries (a few of the variables' size).
+  largest = max(
+      5 * m.variable_bytes + m.optimizer_bytes + m.other_variable_bytes
+      for key in keys for m in [done[key].At(done[key].sizes[0])])
+  memory_mb = int(math.ceil(largest / 2.0**20)) + 64
+  on_gpu = request.device is not None and 'GPU' in request.device.upper()
+  groups = [keys] if on_gpu else [[key] for key in keys]
+  slacks = []
+  why = None
+  for group in groups:
+    sub = pickle.loads(pickle.dumps(request))
+    sub.Select([first_of[key] for key in group])
+    sub.inputs = sub.targets = sub.input_params = None
+    try:
+      measured = _RunChild(sub, 'slack', log=log, memory_mb=memory_mb)
+      if measured is None:
+        why = (f'no one-region allocator of {memory_mb} MiB could be made (on '
+               'the CPU, a cap above half of this host\'s memory is left to '
+               'grow)')
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+      measured, why = None, str(e)
+    if measured is None:
+      if log:
+        log(f'allocator slack not measured, predicted without it: {why}')
+      return
+    slacks += measured
+  for key, slack in zip(keys, slacks):
+    for m in done[key].by_size.values():
+      m.allocator_slack_bytes = slack
+  if log:
+    log('allocator slack per distinct cell (MiB): ' +
+        ', '.join(f'{s / 2.0**20:.2f}' for s in slacks))
+
+
+def BuildSlack(request):
+  """Each of the request's cells' allocator slack, in bytes, or None.
+
+  Builds each cell as a one-cell pipeline, then the task's optimizer's slots
+  for its variables, as a device's build does, and reads what the allocator
+  holds beyond their bytes. Must run in a fresh process capped by
+  tfpipe.memory_limit.CappedEnv. For a GPU (request.device), each cell gets
+  its own logical GPU of the cap, a fresh one-region allocator as a real
+  device's is. On the CPU, whose one allocator is made one region of the
+  cap (memory_limit.OpenOneRegion; None if it could not be), only the first
+  cell is measured on a fresh allocator: give one cell per process.
+  """
+  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
+  tf = _Tf()
+  if request.device is not None and 'GPU' in request.device.upper():
+    gpus = tf.config.list_physical_devices('GPU')
+    if not gpus:
+      return None
+    tf.config.set_logical_device_configuration(gpus[0], [
+        tf.config.LogicalDeviceConfiguration(
+            memory_limit=memory_limit.LimitMb())] * len(request.cells))
+    devices = [f'/GPU:{i}' for i in range(len(request.cells))]
+  elif not memory_limit.OpenOneRegion():
+    return None
+  else:
+    devices = [None] * len(request.cells)
+  from tfpipe.gpipe import pipelining_layer  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  slacks = []
+  for cell, shape, device in zip(request.cells, request.input_shapes,
+                                 devices):
+    allocator = AllocatorName(device)
+    before = tf.config.experimental.get_memory_info(allocator)['current']
+    pipe = pipelining_layer.PipeliningLayer.Params().Set(
+        name='build', cell_tpl=[cell.Copy()], num_micro_batches=1,
+        devices=[device or LocalCpu()], executor='threads',
+        schedule='gpipe').Instantiate()
+    pipe.build(shape)
+    optimizer = optimizer_lib.BuildOptimizer(request.optimizer_params, 1e-3)
+    with tf.device(device or LocalCpu()):
+      optimizer.build(pipe.trainable_variables)
+    held = tf.config.experimental.get_memory_info(allocator)['current'] - (
+        before)
+    tensors = _Bytes(pipe.variables) + sum(
+        _LeafBytes(v) for v in optimizer.variables
+        if v.value.device.upper().endswith(allocator))
+    slacks.append(max(0, held - tensors))
+    del pipe, optimizer
+    gc.collect()
+  return slacks
 
 
 def ProfileInSubprocess(request, timeout_s=900, log=None):
@@ -455,15 +577,26 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
   Returns the list of CellProfile. Raises RuntimeError with the child's
   error when it fails.
   """
+  return [memory_model.CellProfile.FromDict(p) for p in _RunChild(
+      request, 'profile', timeout_s=timeout_s, log=log)]
+
+
+def _RunChild(request, mode, timeout_s=900, log=None, memory_mb=None):
+  """Runs `python -m tfpipe.gpipe.memory_profile` on the request in a fresh
+  process (mode 'profile': ProfileCells; 'slack': BuildSlack, capped at
+  memory_mb) and returns what it returned."""
   from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='tfpipe_profile_') as tmp:
     request_path = os.path.join(tmp, 'request.pickle')
-    output_path = os.path.join(tmp, 'profiles.pickle')
+    output_path = os.path.join(tmp, 'output.pickle')
     with open(request_path, 'wb') as f:
       pickle.dump(request, f)
-    env = memory_limit.CappedEnv(None)
+    env = memory_limit.CappedEnv(memory_mb)
     env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-    if request.device is not None:
+    if mode == 'slack':
+      if request.device is None or 'GPU' not in request.device.upper():
+        env['CUDA_VISIBLE_DEVICES'] = ''
+    elif request.device is not None:
       # A GPU profile takes what it needs, not the whole GPU, and gives it
       # back when the process ends.
       env[GPU_GROWTH_ENV] = 'true'
@@ -475,7 +608,7 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
         [root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
     proc = subprocess.run(
         [sys.executable, '-m', 'tfpipe.gpipe.memory_profile', request_path,
-         output_path], env=env, capture_output=True, text=True,
+         output_path, mode], env=env, capture_output=True, text=True,
         timeout=timeout_s, check=False)
     if log:
       for line in proc.stdout.splitlines():
@@ -484,18 +617,23 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
       raise RuntimeError('Profiling the cells\' memory failed: ' +
                          (proc.stderr.strip().splitlines() or ['?'])[-1])
     with open(output_path, 'rb') as f:
-      return [memory_model.CellProfile.FromDict(p) for p in pickle.load(f)]
+      return pickle.load(f)
 
 
 def _Main(argv):
   from tfpipe import quiet  # pylint: disable=g-import-not-at-top
   quiet.ImportTensorFlow()
   request_path, output_path = argv[1:3]
+  mode = argv[3] if len(argv) > 3 else 'profile'
   with open(request_path, 'rb') as f:
     request = pickle.load(f)
-  profiles = ProfileCells(request, log=lambda line: print(line, flush=True))
+  if mode == 'slack':
+    result = BuildSlack(request)
+  else:
+    result = [p.ToDict() for p in ProfileCells(
+        request, log=lambda line: print(line, flush=True))]
   with open(output_path, 'wb') as f:
-    pickle.dump([p.ToDict() for p in profiles], f)
+    pickle.dump(result, f)
 
 
 if __name__ == '__main__':

@@ -140,6 +140,11 @@ def CombineLayers(layers: Sequence[memory_model.CellMemory],
       variable_bytes=sum(layer.variable_bytes for layer in layers),
       other_variable_bytes=sum(layer.other_variable_bytes for layer in layers),
       optimizer_bytes=sum(layer.optimizer_bytes for layer in layers),
+      # The holes a build leaves are reused by the next layer's build: one
+      # layer's slack, not their sum (the planner's refinement measures the
+      # cell itself).
+      allocator_slack_bytes=max(layer.allocator_slack_bytes
+                                for layer in layers),
       input_bytes=first.input_bytes,
       input_gradient_bytes=first.input_gradient_bytes,
       output_bytes=last.output_bytes,

@@ -55,7 +55,7 @@ def StepMicroBatchSizes(p):
 
 def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
                    intra_op_threads=0, single_threaded_calls=False,
-                   device=None):
+                   device=None, allocator_slack=True):
   """A memory_profile.ProfileRequest for the experiment's cells.
 
   Args:
@@ -71,6 +71,9 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
       actions then are too (memory_profile.ProfileRequest).
     device: profile on this device (a GPU of this process) rather than on
       a CPU (memory_profile.ProfileRequest.device).
+    allocator_slack: whether the devices' allocators are one region from
+      the start, as GPUs' and capped workers' are, and so hold the slack
+      that memory_profile.BuildSlack measures.
   """
   model = p.task.model.Instantiate()
   if cells is None:
@@ -85,6 +88,7 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
   request.intra_op_threads = intra_op_threads
   request.single_threaded_calls = single_threaded_calls
   request.device = device
+  request.allocator_slack = allocator_slack
   return request
 
 
