@@ -192,7 +192,7 @@ def _RunTrial():
     records = out_of_memory.FindInError(e)
     result.update(fits=False, out_of_memory=bool(
         records or out_of_memory.IsOutOfMemoryError(e) or
-        isinstance(e, WorkerDied) and e.refusals),
+        isinstance(e, (WorkerDied, WorkerOutOfMemory)) and e.refusals),
                   error=(records[0].device + ': ' + records[0].Describe()
                          if records else f'{type(e).__name__}: '
                          f'{str(e).splitlines()[0][:300]}'))
@@ -212,6 +212,17 @@ class WorkerDied(Exception):
     self.refusals = list(refusals)
 
 
+class WorkerOutOfMemory(Exception):
+  """A step failed, no worker exited, and a worker's allocator refused
+  memory (`refusals`). The controller's error then need not say so: a
+  worker that cannot allocate a received tensor fails the step with
+  "Unable to parse tensor proto" (AmoebaNet-D pipeline-2, L=30)."""
+
+  def __init__(self, message, refusals=()):
+    super().__init__(message)
+    self.refusals = list(refusals)
+
+
 def _StepsWatchingWorkers(steps, workers, settle_s=2.0):
   """Runs `steps`; raises WorkerDied as soon as a worker exits.
 
@@ -224,7 +235,8 @@ def _StepsWatchingWorkers(steps, workers, settle_s=2.0):
   worker's report (CappedWorkers.Refusals) holds a refused allocation.
   The step can also fail first, from the controller's side ("Socket
   closed"), before the worker's exit is seen: a failed step waits up to
-  `settle_s` for a worker's exit, and then reports that instead.
+  `settle_s` for a worker's exit, and then reports that instead; if none
+  exited but one refused memory, WorkerOutOfMemory says so.
   """
   import threading  # pylint: disable=g-import-not-at-top
   outcome = []
@@ -250,6 +262,13 @@ def _StepsWatchingWorkers(steps, workers, settle_s=2.0):
       exited = workers.Exited()
     if exited:
       raise _WorkerDied(workers, exited) from outcome[0]
+    refused = {k: workers.Refusals(k) for k in range(len(workers.devices))}
+    refused = {k: records for k, records in refused.items() if records}
+    if refused:
+      raise WorkerOutOfMemory('; '.join(
+          f'worker {k}\'s allocator refused {records[0].Describe()}'
+          for k, records in refused.items()),
+          [r for records in refused.values() for r in records]) from outcome[0]
     raise outcome[0]
 
 

@@ -206,9 +206,12 @@ class Record:
 
 
 class Workers:
-  def __init__(self, exits_after_s):
+  devices = ['/job:worker/task:0', '/job:worker/task:1']
+
+  def __init__(self, exits_after_s, refused=True):
     self.exits_at = (time.monotonic() + exits_after_s
                      if exits_after_s is not None else None)
+    self.refused = refused
 
   def Exited(self):
     if self.exits_at is not None and time.monotonic() >= self.exits_at:
@@ -216,7 +219,7 @@ class Workers:
     return []
 
   def Refusals(self, k):
-    return [Record()]
+    return [Record()] if self.refused and k == 1 else []
 
 
 def Steps():
@@ -224,9 +227,9 @@ def Steps():
 
 
 results = []
-for exits_after_s in (0.3, None):
+for exits_after_s, refused in ((0.3, True), (None, True), (None, False)):
   try:
-    largest_model._StepsWatchingWorkers(Steps, Workers(exits_after_s),
+    largest_model._StepsWatchingWorkers(Steps, Workers(exits_after_s, refused),
                                         settle_s=1.0)
   except Exception as e:  # pylint: disable=broad-except
     results.append([type(e).__name__, str(e),
@@ -235,17 +238,22 @@ print(json.dumps(results))
 '''
 
 
-def test_a_worker_that_crashes_is_named_even_when_the_step_fails_first():
+def test_a_worker_out_of_memory_is_named_even_when_the_step_fails_first():
   # A worker that oneDNN kills fails the controller's step ("Socket closed")
   # before its exit is seen; the trial then said only that, and did not
-  # count it as out of memory.
+  # count it as out of memory. A worker that lives on but refused memory
+  # (a received tensor it could not allocate: "Unable to parse tensor
+  # proto") is named too; a step that fails with no refusal is its own
+  # error.
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run([sys.executable, '-c', _WATCH], cwd=script_runner.ROOT,
                         capture_output=True, text=True, timeout=60,
                         check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  died, other = json.loads(proc.stdout.splitlines()[-1])
+  died, refused, other = json.loads(proc.stdout.splitlines()[-1])
   assert died == ['WorkerDied', 'worker 1 died (exit status -6) after its '
                   'allocator refused 256.0KiB, for op Conv2DBackpropFilter', 1]
+  assert refused == ['WorkerOutOfMemory', 'worker 1\'s allocator refused '
+                     '256.0KiB, for op Conv2DBackpropFilter', 1]
   assert other == ['ValueError', 'Socket closed', 0]
