@@ -67,6 +67,9 @@ for n, rows in (('GPU:0', 8), ('GPU:1', 128)):
     after = tf.config.experimental.get_memory_info(n)['current']
   print(n, rows, 'rows: kept after the first matmul', (after - before) / 2**20, 'MiB')
 "
+# What a fresh logical GPU holds after the build, beyond its variables and
+# slots (the allocator slack that memory_profile.BuildSlack measures).
+step slack_probe 90 python3 tools/gpu_device/slack_probe.py
 step timeline_gpu 90 python3 -m benchmarks.timeline --device=gpu --dim=1024 --seq=256 --batch=16 --num_cells=4 \
   --output_png=$OUT/timeline_gpu.png
 step overhead_gpu 300 python3 -m benchmarks.overhead --device=gpu --models=transformer --dim=1024 --seq=256 \
