@@ -51,6 +51,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from benchmarks import model_environment  # pylint: disable=g-import-not-at-top
+from benchmarks import trial_workers  # pylint: disable=g-import-not-at-top
 from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
 from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
 
@@ -184,15 +185,17 @@ def _RunTrial():
           balance=[int(c) for c in FLAGS.layer_counts],
           devices=workers.devices)
       task = p.task.Instantiate()
-      _StepsWatchingWorkers(lambda: [float(task.TrainStep(batch)['loss'])
-                                     for _ in range(2)], workers)
+      trial_workers.StepsWatchingWorkers(
+          lambda: [float(task.TrainStep(batch)['loss']) for _ in range(2)],
+          workers)
       result['peaks'] = workers.Peaks()
     result['fits'] = True
   except Exception as e:  # pylint: disable=broad-except
     records = out_of_memory.FindInError(e)
     result.update(fits=False, out_of_memory=bool(
         records or out_of_memory.IsOutOfMemoryError(e) or
-        isinstance(e, (WorkerDied, WorkerOutOfMemory)) and e.refusals),
+        isinstance(e, (trial_workers.WorkerDied,
+                       trial_workers.WorkerOutOfMemory)) and e.refusals),
                   error=(records[0].device + ': ' + records[0].Describe()
                          if records else f'{type(e).__name__}: '
                          f'{str(e).splitlines()[0][:300]}'))
@@ -201,86 +204,6 @@ def _RunTrial():
   if workers:
     workers.Close()
   os._exit(0)  # pylint: disable=protected-access
-
-
-class WorkerDied(Exception):
-  """A capped worker exited during a trial; `refusals`: the allocations its
-  allocator refused first (then it ran out of memory and crashed)."""
-
-  def __init__(self, message, refusals=()):
-    super().__init__(message)
-    self.refusals = list(refusals)
-
-
-class WorkerOutOfMemory(Exception):
-  """A step failed, no worker exited, and a worker's allocator refused
-  memory (`refusals`). The controller's error then need not say so: a
-  worker that cannot allocate a received tensor fails the step with
-  "Unable to parse tensor proto" (AmoebaNet-D pipeline-2, L=30)."""
-
-  def __init__(self, message, refusals=()):
-    super().__init__(message)
-    self.refusals = list(refusals)
-
-
-def _StepsWatchingWorkers(steps, workers, settle_s=2.0):
-  """Runs `steps`; raises WorkerDied as soon as a worker exits.
-
-  A capped process does not always fail an allocation with an error:
-  AmoebaNet's trials crashed (a segmentation fault in plain Keras, an abort
-  in a worker; benchmarks/RESULTS.md) where the same naive trial with
-  TensorFlow's oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0) fails with
-  ResourceExhaustedError, and the controller then waited for the dead
-  worker until the trial's timeout. A crash is out of memory when the
-  worker's report (CappedWorkers.Refusals) holds a refused allocation.
-  The step can also fail first, from the controller's side ("Socket
-  closed"), before the worker's exit is seen: a failed step waits up to
-  `settle_s` for a worker's exit, and then reports that instead; if none
-  exited but one refused memory, WorkerOutOfMemory says so.
-  """
-  import threading  # pylint: disable=g-import-not-at-top
-  outcome = []
-
-  def Run():
-    try:
-      steps()
-      outcome.append(None)
-    except Exception as e:  # pylint: disable=broad-except
-      outcome.append(e)
-  thread = threading.Thread(target=Run, daemon=True)
-  thread.start()
-  while thread.is_alive():
-    thread.join(0.5)
-    exited = workers.Exited()
-    if exited and thread.is_alive():
-      raise _WorkerDied(workers, exited)
-  if outcome[0] is not None:
-    deadline = time.monotonic() + settle_s
-    exited = workers.Exited()
-    while not exited and time.monotonic() < deadline:
-      time.sleep(0.1)
-      exited = workers.Exited()
-    if exited:
-      raise _WorkerDied(workers, exited) from outcome[0]
-    refused = {k: workers.Refusals(k) for k in range(len(workers.devices))}
-    refused = {k: records for k, records in refused.items() if records}
-    if refused:
-      raise WorkerOutOfMemory('; '.join(
-          f'worker {k}\'s allocator refused {records[0].Describe()}'
-          for k, records in refused.items()),
-          [r for records in refused.values() for r in records]) from outcome[0]
-    raise outcome[0]
-
-
-def _WorkerDied(workers, exited):
-  """WorkerDied for the workers `exited` ([(task, status)]): what each one's
-  allocator refused first, if anything."""
-  refusals = {k: workers.Refusals(k) for k, _ in exited}
-  return WorkerDied('; '.join(
-      f'worker {k} died (exit status {status})' + (
-          f' after its allocator refused {refusals[k][0].Describe()}'
-          if refusals[k] else ', no allocation refused')
-      for k, status in exited), [r for k in refusals for r in refusals[k]])
 
 
 def _NaiveSteps(p, batch):

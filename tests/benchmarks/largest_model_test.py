@@ -197,7 +197,7 @@ def test_search_calibrates_the_memory_model_by_a_trial_and_bisects():
 
 _WATCH = r'''
 import json, sys, time
-from benchmarks import largest_model
+from benchmarks import trial_workers
 
 
 class Record:
@@ -229,8 +229,8 @@ def Steps():
 results = []
 for exits_after_s, refused in ((0.3, True), (None, True), (None, False)):
   try:
-    largest_model._StepsWatchingWorkers(Steps, Workers(exits_after_s, refused),
-                                        settle_s=1.0)
+    trial_workers.StepsWatchingWorkers(Steps, Workers(exits_after_s, refused),
+                                       settle_s=1.0)
   except Exception as e:  # pylint: disable=broad-except
     results.append([type(e).__name__, str(e),
                     len(getattr(e, 'refusals', []))])

@@ -130,7 +130,7 @@ def test_breakdown_adds_up_and_reads_well():
 
 def test_the_allocator_slack_is_held_for_the_whole_step():
   """A fresh device's build can hold more than its tensors (the allocator
-  slack, memory_profile.BuildSlack): it raises every moment of the step,
+  slack, allocator_slack.BuildSlack): it raises every moment of the step,
   so every device's peak, by exactly its cells' slack, and is named."""
   step = memory_model.StepConfig('1f1b', 4, 16, 'always')
   without = memory_model.PredictPeaks(_Profiles(2), step)

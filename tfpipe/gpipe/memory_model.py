@@ -68,7 +68,7 @@ class CellMemory:
       beyond their bytes: BFC gives a request a whole free chunk when the
       chunk is under twice its size, so a slot that lands in the hole left
       by an initializer's temporaries can take nearly twice its bytes for
-      the whole run (memory_profile.BuildSlack).
+      the whole run (allocator_slack.BuildSlack).
     input_bytes: one micro-batch's input to the cell (what a device receives
       and, re-materialized, keeps).
     input_gradient_bytes: the float part of it (the gradient B hands back).

@@ -35,17 +35,8 @@ and the step) are measured on the cell's variables with the task's own
 optimizer.
 
 Every profile counts bytes in an allocator that has run other cells; a
-device starts empty. A fresh one-region allocator (a GPU's, a capped
-worker's: tfpipe.memory_limit.OpenOneRegion) can hold more than the
-variables and slots it was given: an initializer's temporaries leave a hole
-in front of the variable, the next small tensor takes its first bytes, and
-a slot of the variable's size then gets the rest of the hole whole (BFC
-splits a free chunk only if it is at least twice the request). On an MLP's
-1024x1024 layer with Adam that is 16 MiB held for 12, on a fresh logical
-GPU of an H200 and on a fresh capped CPU process alike. So each distinct
-cell's variables and slots are also built once on a fresh one-region
-allocator (`BuildSlack`), and what it holds beyond their bytes is the
-cell's `allocator_slack_bytes`.
+device starts empty, and a fresh one-region allocator can hold more than
+the tensors it was given (gpipe/allocator_slack.py measures that).
 
 Counting bytes needs TensorFlow's BFC allocator on the CPU, which only
 TF_CPU_ALLOCATOR_USE_BFC=true set before TensorFlow starts gives:
@@ -54,7 +45,7 @@ TF_CPU_ALLOCATOR_USE_BFC=true set before TensorFlow starts gives:
 without it.
 """
 
-import gc
+import copy
 import math
 import os
 import pickle
@@ -109,21 +100,21 @@ def CheckAllocatorCounts(device=None):
         'memory_profile.ProfileInSubprocess.')
 
 
-def _LeafBytes(t):
+def LeafBytes(t):
   tf = _Tf()
   return int(np.prod(tuple(t.shape), dtype=np.int64)) * tf.as_dtype(
       t.dtype).size
 
 
-def _Bytes(structure):
+def Bytes(structure):
   tf = _Tf()
-  return sum(_LeafBytes(t) for t in tf.nest.flatten(structure)
+  return sum(LeafBytes(t) for t in tf.nest.flatten(structure)
              if t is not None)
 
 
 def _FloatBytes(structure):
   tf = _Tf()
-  return sum(_LeafBytes(t) for t in tf.nest.flatten(structure)
+  return sum(LeafBytes(t) for t in tf.nest.flatten(structure)
              if t is not None and tf.as_dtype(t.dtype).is_floating)
 
 
@@ -269,7 +260,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
   loss = loss_fn if is_last else StandInLoss
   result = memory_model.CellMemory(micro_batch_size=n, is_last=is_last)
   single = _Take(inputs, n)
-  result.input_bytes = _Bytes(single)
+  result.input_bytes = Bytes(single)
   result.input_gradient_bytes = _FloatBytes(single)
   for mode in (memory_model.REMAT, memory_model.NO_REMAT):
     pipe = pipelining_layer.PipeliningLayer.Params().Set(
@@ -290,7 +281,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
         steps.append(recorder.records)
     if not result.output_bytes:
       y = pipe.cells[0](single, training=False)
-      result.output_bytes = _Bytes(y)
+      result.output_bytes = Bytes(y)
       result.output_gradient_bytes = _FloatBytes(y)
       del y
     forward = _Worst(steps, 'F', 0)
@@ -311,9 +302,9 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
       result.forward_s = forward.seconds
       result.fused_s = fused.seconds
       variables = pipe.trainable_variables
-      result.variable_bytes = _Bytes(variables)
+      result.variable_bytes = Bytes(variables)
       result.other_variable_bytes = sum(
-          _Bytes(v) for v in pipe.cells[0].non_trainable_variables)
+          Bytes(v) for v in pipe.cells[0].non_trainable_variables)
       (result.optimizer_bytes, result.update_peak,
        result.update_s) = _ProfileUpdate(variables, optimizer_params,
                                          clip_gradient_norm, device)
@@ -337,7 +328,7 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm,
   optimizer = optimizer_lib.BuildOptimizer(optimizer_params, 1e-3)
   optimizer.build(variables)
   # Its own counters (iterations, learning rate) live with the controller.
-  slots = sum(_LeafBytes(v) for v in optimizer.variables
+  slots = sum(LeafBytes(v) for v in optimizer.variables
               if v is not optimizer.iterations and
               'learning_rate' not in v.name)
   with tf.device(device or LocalCpu()):
@@ -401,9 +392,10 @@ class ProfileRequest:
       pipeline of GPUs is profiled on one of them (ProfileCells runs in the
       process that holds it).
     allocator_slack: also measure each cell's allocator slack
-      (`BuildSlack`), which the devices have if their allocator is one
-      region from the start (GPUs, capped workers); False for devices
-      whose allocator grows by regions (uncapped CPU processes).
+      (allocator_slack.BuildSlack), which the devices have if their
+      allocator is one region from the start (GPUs, capped workers); False
+      for devices whose allocator grows by regions (uncapped CPU
+      processes).
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -473,16 +465,17 @@ def ProfileCells(request, log=None):
 
 def _AddBuildSlack(request, done, log=None):
   """Sets each distinct cell's allocator_slack_bytes, measured by
-  BuildSlack in a fresh allocator per cell: on a GPU, one logical GPU per
-  cell of one process; on the CPU, which has one allocator per process, a
-  process per cell. (One allocator that built and freed another cell first
+  allocator_slack.BuildSlack in a fresh allocator per cell: on a GPU, one
+  logical GPU per cell of one process; on the CPU, which has one allocator
+  per process, a process per cell. (One allocator that built and freed another cell first
   is not fresh: on an H200, the MLP K=4's second cell then showed no slack,
   where a fresh device held 4 MiB more.)"""
   last = request.num_cells - 1
   first_of = {}
   for i, (k, cell, shape) in enumerate(zip(request.positions, request.cells,
                                            request.input_shapes)):
-    first_of.setdefault(CellSignature(cell, shape, k == last), i)
+    key = CellSignature(cell, shape, k == last)
+    first_of.setdefault(key, i)
   keys = list(first_of)
   # Room for the largest build: its variables, slots, and an initializer's
   # temporaries (a few of the variables' size).
@@ -495,11 +488,14 @@ def _AddBuildSlack(request, done, log=None):
   slacks = []
   why = None
   for group in groups:
-    sub = pickle.loads(pickle.dumps(request))
+    # Select and the assignments below replace the copy's lists, not the
+    # request's.
+    sub = copy.copy(request)
     sub.Select([first_of[key] for key in group])
     sub.inputs = sub.targets = sub.input_params = None
     try:
-      measured = _RunChild(sub, 'slack', log=log, memory_mb=memory_mb)
+      measured = RunInSubprocess(sub, 'slack', log=log,
+                                 memory_mb=memory_mb)
       if measured is None:
         why = (f'no one-region allocator of {memory_mb} MiB could be made (on '
                'the CPU, a cap above half of this host\'s memory is left to '
@@ -519,72 +515,20 @@ def _AddBuildSlack(request, done, log=None):
         ', '.join(f'{s / 2.0**20:.2f}' for s in slacks))
 
 
-def BuildSlack(request):
-  """Each of the request's cells' allocator slack, in bytes, or None.
-
-  Builds each cell as a one-cell pipeline, then the task's optimizer's slots
-  for its variables, as a device's build does, and reads what the allocator
-  holds beyond their bytes. Must run in a fresh process capped by
-  tfpipe.memory_limit.CappedEnv. For a GPU (request.device), each cell gets
-  its own logical GPU of the cap, a fresh one-region allocator as a real
-  device's is. On the CPU, whose one allocator is made one region of the
-  cap (memory_limit.OpenOneRegion; None if it could not be), only the first
-  cell is measured on a fresh allocator: give one cell per process.
-  """
-  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
-  tf = _Tf()
-  if request.device is not None and 'GPU' in request.device.upper():
-    gpus = tf.config.list_physical_devices('GPU')
-    if not gpus:
-      return None
-    tf.config.set_logical_device_configuration(gpus[0], [
-        tf.config.LogicalDeviceConfiguration(
-            memory_limit=memory_limit.LimitMb())] * len(request.cells))
-    devices = [f'/GPU:{i}' for i in range(len(request.cells))]
-  elif not memory_limit.OpenOneRegion():
-    return None
-  else:
-    devices = [None] * len(request.cells)
-  from tfpipe.gpipe import pipelining_layer  # pylint: disable=g-import-not-at-top
-  from tfpipe.trainer import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
-  slacks = []
-  for cell, shape, device in zip(request.cells, request.input_shapes,
-                                 devices):
-    allocator = AllocatorName(device)
-    before = tf.config.experimental.get_memory_info(allocator)['current']
-    pipe = pipelining_layer.PipeliningLayer.Params().Set(
-        name='build', cell_tpl=[cell.Copy()], num_micro_batches=1,
-        devices=[device or LocalCpu()], executor='threads',
-        schedule='gpipe').Instantiate()
-    pipe.build(shape)
-    optimizer = optimizer_lib.BuildOptimizer(request.optimizer_params, 1e-3)
-    with tf.device(device or LocalCpu()):
-      optimizer.build(pipe.trainable_variables)
-    held = tf.config.experimental.get_memory_info(allocator)['current'] - (
-        before)
-    tensors = _Bytes(pipe.variables) + sum(
-        _LeafBytes(v) for v in optimizer.variables
-        if v.value.device.upper().endswith(allocator))
-    slacks.append(max(0, held - tensors))
-    del pipe, optimizer
-    gc.collect()
-  return slacks
-
-
 def ProfileInSubprocess(request, timeout_s=900, log=None):
   """ProfileCells in a fresh Python process with the BFC allocator.
 
   Returns the list of CellProfile. Raises RuntimeError with the child's
   error when it fails.
   """
-  return [memory_model.CellProfile.FromDict(p) for p in _RunChild(
+  return [memory_model.CellProfile.FromDict(p) for p in RunInSubprocess(
       request, 'profile', timeout_s=timeout_s, log=log)]
 
 
-def _RunChild(request, mode, timeout_s=900, log=None, memory_mb=None):
-  """Runs `python -m tfpipe.gpipe.memory_profile` on the request in a fresh
-  process (mode 'profile': ProfileCells; 'slack': BuildSlack, capped at
-  memory_mb) and returns what it returned."""
+def RunInSubprocess(request, mode, timeout_s=900, log=None, memory_mb=None):
+  """Runs the request in a fresh process and returns what it returned:
+  mode 'profile', ProfileCells (python -m tfpipe.gpipe.memory_profile);
+  'slack', allocator_slack.BuildSlack, capped at memory_mb."""
   from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='tfpipe_profile_') as tmp:
     request_path = os.path.join(tmp, 'request.pickle')
@@ -606,9 +550,10 @@ def _RunChild(request, mode, timeout_s=900, log=None, memory_mb=None):
         os.path.abspath(__file__))))
     env['PYTHONPATH'] = os.pathsep.join(
         [root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+    module = {'profile': 'tfpipe.gpipe.memory_profile',
+              'slack': 'tfpipe.gpipe.allocator_slack'}[mode]
     proc = subprocess.run(
-        [sys.executable, '-m', 'tfpipe.gpipe.memory_profile', request_path,
-         output_path, mode], env=env, capture_output=True, text=True,
+        [sys.executable, '-m', module, request_path, output_path], env=env, capture_output=True, text=True,
         timeout=timeout_s, check=False)
     if log:
       for line in proc.stdout.splitlines():
@@ -624,14 +569,10 @@ def _Main(argv):
   from tfpipe import quiet  # pylint: disable=g-import-not-at-top
   quiet.ImportTensorFlow()
   request_path, output_path = argv[1:3]
-  mode = argv[3] if len(argv) > 3 else 'profile'
   with open(request_path, 'rb') as f:
     request = pickle.load(f)
-  if mode == 'slack':
-    result = BuildSlack(request)
-  else:
-    result = [p.ToDict() for p in ProfileCells(
-        request, log=lambda line: print(line, flush=True))]
+  result = [p.ToDict() for p in ProfileCells(
+      request, log=lambda line: print(line, flush=True))]
   with open(output_path, 'wb') as f:
     pickle.dump(result, f)
 

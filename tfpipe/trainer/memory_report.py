@@ -73,7 +73,7 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
       a CPU (memory_profile.ProfileRequest.device).
     allocator_slack: whether the devices' allocators are one region from
       the start, as GPUs' and capped workers' are, and so hold the slack
-      that memory_profile.BuildSlack measures.
+      that allocator_slack.BuildSlack measures.
   """
   model = p.task.model.Instantiate()
   if cells is None:

@@ -29,7 +29,7 @@ from benchmarks import memory_model_accuracy as mma
 from tfpipe.gpipe import memory_profile, pipelining_layer
 from tfpipe.trainer import memory_report, optimizer as optimizer_lib
 def On(vs, i):
-  return memory_profile._Bytes([v for v in vs if v.value.device.endswith(f'{kind}:{i}')]) / MIB
+  return memory_profile.Bytes([v for v in vs if v.value.device.endswith(f'{kind}:{i}')]) / MIB
 p = mma.ExperimentParams('mlp')
 p.task.pipeline.Set(num_partitions=4, num_micro_batches=1, devices=names[:4])
 task = p.task.Instantiate()
