@@ -23,16 +23,17 @@ The grid: a Transformer LM, AmoebaNet-D and an MLP; K in {1, 2, 4}; M in
 
     python -m benchmarks.memory_model_accuracy --output_json=/tmp/bench/memory_model_accuracy.json
 
-With --device=gpu the devices are logical GPUs of this process's GPU, each
-with its own allocator and a hard limit (--logical_gpu_memory_mb; default:
-the GPU shared evenly among max(--num_cells) + 1). The cells are profiled on
-the last of them, so the profile counts what the GPU's kernels and libraries
-take, and each configuration's step runs in this process on the first K
-(fresh allocators, as a real run's devices are: a device that was profiled
-on holds its variables elsewhere than a fresh one, MLP K=4 below),
-with the batch on the CPU as a controller's is; each device's peak is read
-from its own allocator (what the step adds over what was resident before
-the task was built).
+With --device=gpu the devices are logical GPUs of the GPU, each with its own
+allocator and a hard limit (--logical_gpu_memory_mb). Each K's cells are
+profiled on the GPU in a subprocess, so the profile counts what the GPU's
+kernels and libraries take. Each configuration's step then runs in a fresh
+process on K fresh logical GPUs (--parallel processes at once, each with its
+own), with the batch on the CPU as a controller's is, and each device's
+peak is read from its own allocator. A real run's devices are fresh: on an
+H200, a logical GPU that had built and freed another cell held 4 MiB less
+after the MLP's build than a fresh one (the allocator slack,
+gpipe/allocator_slack.py), so measuring every configuration on the same
+devices (--noprocess_per_configuration, faster) errs after the first.
 
     python -m benchmarks.memory_model_accuracy --device=gpu --output_json=/tmp/bench/memory_model_accuracy_gpu.json
 
@@ -84,6 +85,18 @@ flags.DEFINE_integer('worker_memory_mb', None, 'With --device=cpu: each '
                      'allocator is one region of it, as a GPU\'s is '
                      '(tfpipe.memory_limit.OpenOneRegion); uncapped workers '
                      'grow by regions.', lower_bound=1)
+flags.DEFINE_bool('process_per_configuration', True, 'With --device=gpu: '
+                  'each configuration\'s step in a fresh process on K fresh '
+                  'logical GPUs, as a real run\'s devices are; false: every '
+                  'configuration in this process on the same logical GPUs '
+                  '(not fresh after the first).')
+flags.DEFINE_integer('parallel', 4, 'With --device=gpu and '
+                     '--process_per_configuration: configurations measured '
+                     'at once, each process on logical GPUs of its own.',
+                     lower_bound=1)
+flags.DEFINE_string('measure_request', None, 'Internal: measure the '
+                    'configuration pickled at this path on fresh logical '
+                    'GPUs and pickle the peaks to the path + ".out".')
 flags.DEFINE_bool('reprofile', False, 'With --predict_from: profile the '
                   'cells again with the current profiler instead of using '
                   'the stored profiles.')
@@ -186,6 +199,89 @@ def RunModelInProcess(model, devices, rows, log, save=None):
             for k, cells in profiles.items()})
   return {str(k): [c.ToDict() for c in cells]
           for k, cells in profiles.items()}
+
+
+def RunModelPerProcess(model, rows, log, save=None):
+  """RunModel on the GPU, each configuration in a fresh process on fresh
+  logical GPUs (--parallel at once); each K's cells profiled on the GPU in
+  a subprocess first. This process never touches the GPU."""
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  example, sizes = _ExampleAndSizes(model)
+  configurations = list(_Configurations(model))
+  profiles = {}
+  for p in configurations:
+    k = p.task.pipeline.num_partitions
+    if k not in profiles:
+      start = time.time()
+      profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
+          p, micro_batch_sizes=sizes, example=example, device='/GPU:0'),
+                                          in_subprocess=True)
+      log(f'{model} K={k}: profiled its cells on a GPU at micro-batch sizes '
+          f'{sizes} in {time.time() - start:.0f}s')
+  with concurrent.futures.ThreadPoolExecutor(FLAGS.parallel) as pool:
+    futures = [pool.submit(_MeasureInFreshProcess, p, example)
+               for p in configurations]
+    for p, future in zip(configurations, futures):
+      measured, seconds = future.result()
+      _AddRow(model, p, measured, seconds,
+              profiles[p.task.pipeline.num_partitions], example, rows, log)
+      if save:
+        save({str(k): [c.ToDict() for c in cells]
+              for k, cells in profiles.items()})
+  return {str(k): [c.ToDict() for c in cells]
+          for k, cells in profiles.items()}
+
+
+def _MeasureInFreshProcess(p, example):
+  """(each device's peak, seconds): `p`'s step measured by a fresh process
+  (python -m benchmarks.memory_model_accuracy --measure_request)."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  start = time.time()
+  with tempfile.TemporaryDirectory(prefix='mma_gpu_') as tmp:
+    path = os.path.join(tmp, 'request.pickle')
+    with open(path, 'wb') as f:
+      pickle.dump({'params': p, 'example': example}, f)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+    proc = subprocess.run(
+        [sys.executable, '-m', 'benchmarks.memory_model_accuracy',
+         '--device=gpu', f'--measure_request={path}',
+         f'--logical_gpu_memory_mb={_GpuMemoryMb()}',
+         f'--measured_steps={FLAGS.measured_steps}'],
+        env=env, capture_output=True, text=True, check=False,
+        timeout=FLAGS.total_timeout_s)
+    if proc.returncode or not os.path.exists(path + '.out'):
+      raise RuntimeError('measuring on fresh logical GPUs failed: ' + (
+          proc.stderr.strip().splitlines() or ['no output'])[-1])
+    with open(path + '.out', 'rb') as f:
+      return pickle.load(f), time.time() - start
+
+
+def _GpuMemoryMb():
+  """Each fresh logical GPU's memory: the flag, else 2 GiB (room for every
+  configuration of the grid, times --parallel processes of K)."""
+  return FLAGS.logical_gpu_memory_mb or 2048
+
+
+def _MeasureRequest(path):
+  """--measure_request: one configuration on K fresh logical GPUs."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with open(path, 'rb') as f:
+    request = pickle.load(f)
+  p = request['params']
+  k = p.task.pipeline.num_partitions
+  gpus = tf.config.list_physical_devices('GPU')
+  if not gpus:
+    raise app.UsageError('--device=gpu: this machine has no GPU.')
+  tf.config.set_logical_device_configuration(gpus[0], [
+      tf.config.LogicalDeviceConfiguration(memory_limit=_GpuMemoryMb())] * k)
+  peaks = _MeasureInProcess(p, [f'/GPU:{i}' for i in range(k)],
+                            request['example'])
+  with open(path + '.out', 'wb') as f:
+    pickle.dump(peaks, f)
 
 
 def _ExampleAndSizes(model):
@@ -361,11 +457,16 @@ def _Write(bench_lib, rows, profiles):
       'models': {m: list(MODELS[m]) for m in FLAGS.models},
       'flags': {name: FLAGS[name].value for name in (
           'models', 'num_cells', 'micro_batches', 'remat_policies',
-          'schedules', 'measured_steps', 'tolerance', 'device')}})
+          'schedules', 'measured_steps', 'tolerance', 'device',
+          'process_per_configuration', 'parallel')}})
 
 
 def main(argv):
   del argv
+  if FLAGS.measure_request:
+    _MeasureRequest(FLAGS.measure_request)
+    sys.stdout.flush()
+    os._exit(0)  # pylint: disable=protected-access
   if FLAGS.device == 'cpu':
     if FLAGS.logical_gpu_memory_mb is not None:
       raise app.UsageError('--logical_gpu_memory_mb sets the memory of '
@@ -382,7 +483,15 @@ def main(argv):
   from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
   bench_lib.tf.get_logger().setLevel('ERROR')
   devices = None
-  if FLAGS.device == 'gpu' and not FLAGS.predict_from:
+  per_process = FLAGS.device == 'gpu' and FLAGS.process_per_configuration
+  if per_process:  # The GPU is the measuring processes'.
+    from tfpipe import devices as devices_lib  # pylint: disable=g-import-not-at-top
+    try:
+      devices_lib.ChooseDeviceType('gpu', flag='--device')
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+    bench_lib.tf.config.set_visible_devices([], 'GPU')
+  elif FLAGS.device == 'gpu' and not FLAGS.predict_from:
     _, devices = bench_lib.LocalDevices(
         max(int(k) for k in FLAGS.num_cells) + 1, 'gpu',
         FLAGS.logical_gpu_memory_mb)
@@ -400,7 +509,9 @@ def main(argv):
     for model in FLAGS.models:
       save = lambda done, m=model: _Write(bench_lib, rows,
                                           dict(profiles, **{m: done}))
-      if devices:
+      if per_process:
+        profiles[model] = RunModelPerProcess(model, rows, log, save)
+      elif devices:
         profiles[model] = RunModelInProcess(model, devices, rows, log, save)
       else:
         profiles[model] = RunModel(model, rows, log, save)

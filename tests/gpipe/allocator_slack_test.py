@@ -52,3 +52,28 @@ def test_a_fresh_devices_build_is_predicted_with_the_allocator_slack():
   tensors = m.variable_bytes + m.optimizer_bytes + m.other_variable_bytes
   assert abs(tensors + m.allocator_slack_bytes - held) <= 0.01 * held, (
       held, tensors, m.allocator_slack_bytes)
+
+
+def test_a_gpus_slack_is_measured_on_one_region_even_from_a_growing_profile(
+    monkeypatch):
+  """The slack subprocess of a GPU profile must see a fresh GPU's allocator
+  (one region of its memory), not the growing one the profiling process
+  asked for: a growing allocator holds no slack, and the H200 grid then
+  under-predicted every MLP K=4 device by the 4 MiB it holds."""
+  from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv(memory_profile.GPU_GROWTH_ENV, 'true')
+  monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+  gpu = memory_report.ProfileRequest(MlpParams(), micro_batch_sizes=[8],
+                                     device='/GPU:0')
+  slack = memory_profile.SubprocessEnv(gpu, 'slack', memory_mb=64)
+  assert memory_profile.GPU_GROWTH_ENV not in slack
+  assert slack.get('CUDA_VISIBLE_DEVICES') != ''
+  assert slack['TF_CPU_BFC_MEM_LIMIT_IN_MB'] == '64'
+  # The profile itself grows (it must not take the whole GPU).
+  assert memory_profile.SubprocessEnv(gpu, 'profile')[
+      memory_profile.GPU_GROWTH_ENV] == 'true'
+  # On the CPU the slack process sees no GPU at all.
+  cpu = memory_report.ProfileRequest(MlpParams(), micro_batch_sizes=[8])
+  assert memory_profile.SubprocessEnv(cpu, 'slack', 64)[
+      'CUDA_VISIBLE_DEVICES'] == ''

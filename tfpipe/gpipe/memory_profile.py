@@ -525,36 +525,47 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
       request, 'profile', timeout_s=timeout_s, log=log)]
 
 
+def SubprocessEnv(request, mode, memory_mb=None):
+  """The environment of RunInSubprocess's child: capped at memory_mb, with
+  the request's intra-op threads; a GPU profile's memory grows, a slack
+  measurement's GPU is one region (as a fresh device's is)."""
+  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
+  env = memory_limit.CappedEnv(memory_mb)
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  if mode == 'slack':
+    if request.device is None or 'GPU' not in request.device.upper():
+      env['CUDA_VISIBLE_DEVICES'] = ''
+    # A fresh GPU's allocator is one region of its memory from the start;
+    # one that grows (inherited from a profiling process) holds no slack.
+    env.pop(GPU_GROWTH_ENV, None)
+  elif request.device is not None:
+    # A GPU profile takes what it needs, not the whole GPU, and gives it
+    # back when the process ends.
+    env[GPU_GROWTH_ENV] = 'true'
+  if request.intra_op_threads:
+    env[INTRA_OP_ENV] = str(request.intra_op_threads)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  env['PYTHONPATH'] = os.pathsep.join(
+      [root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+  return env
+
+
 def RunInSubprocess(request, mode, timeout_s=900, log=None, memory_mb=None):
   """Runs the request in a fresh process and returns what it returned:
   mode 'profile', ProfileCells (python -m tfpipe.gpipe.memory_profile);
   'slack', allocator_slack.BuildSlack, capped at memory_mb."""
-  from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='tfpipe_profile_') as tmp:
     request_path = os.path.join(tmp, 'request.pickle')
     output_path = os.path.join(tmp, 'output.pickle')
     with open(request_path, 'wb') as f:
       pickle.dump(request, f)
-    env = memory_limit.CappedEnv(memory_mb)
-    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-    if mode == 'slack':
-      if request.device is None or 'GPU' not in request.device.upper():
-        env['CUDA_VISIBLE_DEVICES'] = ''
-    elif request.device is not None:
-      # A GPU profile takes what it needs, not the whole GPU, and gives it
-      # back when the process ends.
-      env[GPU_GROWTH_ENV] = 'true'
-    if request.intra_op_threads:
-      env[INTRA_OP_ENV] = str(request.intra_op_threads)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
-    env['PYTHONPATH'] = os.pathsep.join(
-        [root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+    env = SubprocessEnv(request, mode, memory_mb)
     module = {'profile': 'tfpipe.gpipe.memory_profile',
               'slack': 'tfpipe.gpipe.allocator_slack'}[mode]
     proc = subprocess.run(
-        [sys.executable, '-m', module, request_path, output_path], env=env, capture_output=True, text=True,
-        timeout=timeout_s, check=False)
+        [sys.executable, '-m', module, request_path, output_path], env=env,
+        capture_output=True, text=True, timeout=timeout_s, check=False)
     if log:
       for line in proc.stdout.splitlines():
         log(line)

@@ -28,6 +28,13 @@ step() {  # name limit command...
 # tests' unplaced variables go to GPU:0, so each kernel runs there.
 step fused_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/trainer/optimizer_test.py
 step readme 150 python3 -m tfpipe.trainer --model=lm.TinyTransformerLm --logdir=/tmp/tfpipe_lm
+# Each configuration in a fresh process on fresh logical GPUs of 1 GiB, 8
+# at once (memory_model_accuracy --process_per_configuration): the MLP whose
+# devices hold the allocator slack of a fresh build, then the LM.
+step mma_fresh_mlp 260 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=mlp \
+  --parallel=8 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_fresh_mlp.json
+step mma_fresh_lm 200 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=transformer_lm \
+  --num_cells=2,4 --parallel=8 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_fresh_lm.json
 # About 10 s per configuration on the H200 (tracing dominates).
 step mma_gpu 300 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=transformer_lm,mlp \
   --num_cells=4 --remat_policies=always,never --output_json=$OUT/mma_gpu.json
