@@ -20,11 +20,17 @@ optimizer's update; then a second one) of a model of one size:
               traces each cell once), cut by the memory model so that the
               devices' predicted peaks are balanced.
 
-A trial fits if both steps run; it then reports each worker's peak. The
-memory model (gpipe.memory_model, fed by one profiled step per distinct
-layer) predicts the largest size of each configuration first, so the
-search needs few trials: the prediction, then the prediction calibrated by
-measured over predicted (Search), then bisection.
+A trial fits if both steps run; it then reports each worker's peak and
+where its time went (`phase_seconds`: the workers' start, the build, each
+step; the first step is mostly tracing). The memory model
+(gpipe.memory_model, fed by one profiled step per distinct layer) predicts
+the largest size of each configuration first, so the search needs few
+trials, run two side by side (--parallel_trials; each trial's processes
+have their own caps, so the verdicts do not depend on it): the prediction
+scaled by the previous pipeline's measured over predicted, with the size
+above it, which together confirm a right prediction in one round; then the
+prediction calibrated by a trial, or the sizes below, or the gap split
+(Search).
 
 Models: a Transformer LM (size: its number of blocks) and AmoebaNet-D(L, D)
 with D fixed (size: L, a multiple of 3), at shapes small enough for a trial
@@ -41,6 +47,7 @@ device's predicted peak says where its memory goes.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -79,7 +86,11 @@ flags.DEFINE_bool('predict_only', False, 'Print the memory model\'s largest '
                   'run no trial (minutes: one profiled step per layer).')
 flags.DEFINE_integer('filters', 32, 'AmoebaNet: D.')
 flags.DEFINE_integer('image', 16, 'AmoebaNet: image size.')
-flags.DEFINE_integer('max_trials', 4, 'Trials per configuration at most.')
+flags.DEFINE_integer('max_trials', 6, 'Trials per configuration at most.')
+flags.DEFINE_integer('parallel_trials', 2, 'Trials run side by side, each '
+                     'its own processes with their own caps (a size and '
+                     'the next one, so that a right prediction is confirmed '
+                     'in one round).', lower_bound=1)
 flags.DEFINE_integer('max_size', 192, 'Largest size the search considers.')
 flags.DEFINE_integer('first_size', 0, 'The first trial\'s size, in place of '
                      'the memory model\'s prediction (0): a lower one when '
@@ -166,7 +177,9 @@ def _RunTrial():
   p = ExperimentParams(FLAGS.family, FLAGS.size)
   batch = tf.nest.map_structure(tf.convert_to_tensor,
                                 memory_report.ExampleBatch(p))
-  result = {'params': p.task.model.Instantiate().NumParams()}
+  phases = {}  # Seconds of the trial's parts (where a trial's time goes).
+  result = {'params': p.task.model.Instantiate().NumParams(),
+            'phase_seconds': phases}
   workers = None
   try:
     if FLAGS.trial == 'naive-1':
@@ -176,18 +189,26 @@ def _RunTrial():
     else:
       from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
       k = NumCells(FLAGS.trial)
+      started = time.time()
       workers = capped_workers.CappedWorkers(
           k, memory_mb=int(Budget(FLAGS.family)), owner='largest_model')
       workers.Connect()
+      phases['workers'] = time.time() - started
       p.task.pipeline.Set(
           num_partitions=k, num_micro_batches=FLAGS.batch,
           remat_policy='always', schedule='1f1b', executor='threads',
           balance=[int(c) for c in FLAGS.layer_counts],
           devices=workers.devices)
+      started = time.time()
       task = p.task.Instantiate()
-      trial_workers.StepsWatchingWorkers(
-          lambda: [float(task.TrainStep(batch)['loss']) for _ in range(2)],
-          workers)
+      phases['build'] = time.time() - started
+
+      def Steps():
+        for step in range(2):
+          started = time.time()
+          float(task.TrainStep(batch)['loss'])
+          phases[f'step{step}'] = time.time() - started
+      trial_workers.StepsWatchingWorkers(Steps, workers)
       result['peaks'] = workers.Peaks()
     result['fits'] = True
   except Exception as e:  # pylint: disable=broad-except
@@ -199,6 +220,7 @@ def _RunTrial():
                   error=(records[0].device + ': ' + records[0].Describe()
                          if records else f'{type(e).__name__}: '
                          f'{str(e).splitlines()[0][:300]}'))
+  result['phase_seconds'] = {k: round(v, 1) for k, v in phases.items()}
   print('TRIAL ' + json.dumps(result), flush=True)
   sys.stdout.flush()
   if workers:
@@ -264,9 +286,15 @@ def Trial(config, family, size, layer_counts=None):
       result = json.loads(line[len('TRIAL '):])
       result['seconds'] = round(time.time() - start, 1)
       return result
-  return {'fits': False, 'error': (proc.stderr.strip().splitlines() or
-                                   ['no output'])[-1][:300],
-          'seconds': round(time.time() - start, 1)}
+  # The process died before it could report (a capped process may crash
+  # when a kernel is refused memory): its status and its first fatal line.
+  lines = proc.stderr.strip().splitlines() or ['no output']
+  fatal = next((l for l in lines if re.search(
+      r'Fatal Python error|ResourceExhausted|OOM when|Check failed', l)),
+               lines[-1])
+  return {'fits': False, 'seconds': round(time.time() - start, 1),
+          'error': f'the trial died (exit status {proc.returncode}): '
+                   f'{fatal.strip()[:300]}'}
 
 
 # ---- the memory model's seed ----------------------------------------------------
@@ -363,33 +391,53 @@ class Predictor:
 # ---- the search ---------------------------------------------------------------
 
 
-def Search(family, config, predictor, start, log):
+def Search(family, config, predictor, start, log, scale=1.0):
   """The largest size that trains, from the prediction; its trials.
 
-  The first trial is the memory model's largest size. Once a size fits, the
-  next guess is the model's largest size with its peaks scaled by measured
-  over predicted (the model errs by a similar factor at nearby sizes of one
-  configuration), so one trial usually lands near the answer; then it
-  bisects between the largest size that fitted and the smallest that did
-  not, within --max_trials.
+  Each round runs up to --parallel_trials trials at once, one process tree
+  each with its own caps, so a verdict does not depend on its neighbour
+  (only its time does; a trial's first step is mostly one Python thread
+  tracing the cells). The first round tries the memory model's largest
+  size, its peaks scaled by `scale` (measured over predicted, carried from
+  the previous pipeline), and the sizes just above it: when the model is
+  right, that one round finds the answer and shows the next size does not
+  fit. Then: above the largest size that fitted, as far as the model
+  calibrated by that trial says (it errs by a similar factor at nearby
+  sizes of one configuration); below the smallest that did not; or
+  splitting the gap between them; within --max_trials.
+
+  Returns (largest size that fitted, {size: trial}, the model's unscaled
+  prediction).
   """
   step, smallest, _, _ = FAMILIES[family]
   predicted = predictor.Largest(config, start)
-  log(f'{family} {config}: the memory model predicts {predicted} fits')
+  guess = predictor.Largest(config, start, scale) if scale != 1.0 else (
+      predicted)
+  log(f'{family} {config}: the memory model predicts {predicted} fits' + (
+      f' ({guess} scaled by {scale:.3f})' if guess != predicted else ''))
   trials = {}
+  width = FLAGS.parallel_trials
 
-  def Run(size):
-    peaks, counts, _ = predictor.Peaks(config, size)
-    result = Trial(config, family, size, counts)
-    trials[size] = result
-    if result.get('peaks') and peaks:
-      result['measured_over_predicted'] = round(
-          max(result['peaks']) / max(peaks), 3)
-    measured = ' '.join(f'{v / MIB:.1f}' for v in result.get('peaks', []))
-    log(f'  size {size}: {"fits" if result["fits"] else "does not fit"} '
-        f'({result["seconds"]:.0f}s) {measured + " MiB" if measured else ""}'
-        f'{"" if result["fits"] else " " + result.get("error", "")}')
-    return result['fits']
+  def Run(sizes):
+    """Tries `sizes` side by side."""
+    import concurrent.futures  # pylint: disable=g-import-not-at-top
+    # Predictions first, here: a new layer's profile is a subprocess.
+    predictions = {size: predictor.Peaks(config, size) for size in sizes}
+    with concurrent.futures.ThreadPoolExecutor(len(sizes)) as pool:
+      results = dict(zip(sizes, pool.map(
+          lambda size: Trial(config, family, size, predictions[size][1]),
+          sizes)))
+    for size in sorted(sizes):
+      result = trials[size] = results[size]
+      peaks = predictions[size][0]
+      if result.get('peaks') and peaks:
+        result['measured_over_predicted'] = round(
+            max(result['peaks']) / max(peaks), 3)
+      measured = ' '.join(f'{v / MIB:.1f}' for v in result.get('peaks', []))
+      log(f'  size {size}: {"fits" if result["fits"] else "does not fit"} '
+          f'({result["seconds"]:.0f}s) '
+          f'{measured + " MiB" if measured else ""}'
+          f'{"" if result["fits"] else " " + result.get("error", "")}')
 
   def TimedOut():
     return any(t.get('timed_out') for t in trials.values())
@@ -400,27 +448,36 @@ def Search(family, config, predictor, start, log):
               not t.get('timed_out')]
     return max(fitted, default=0), min(failed, default=None)
 
-  # A trial that times out says nothing about memory: the search stops
-  # there, and the largest size that fitted is a lower bound.
-  size = max(FLAGS.first_size or predicted, smallest)
-  Run(size)
-  while len(trials) < FLAGS.max_trials and not TimedOut():
+  def NextSizes():
     good, bad = Bounds()
     if bad is not None and bad - good <= step:
-      break
-    if not good:  # Nothing fitted yet: down one size.
-      size = bad - step
-      if size < smallest:
-        break
+      return []
+    if not good:  # Nothing fitted yet: the sizes just below.
+      sizes = [bad - (i + 1) * step for i in range(width)]
     elif bad is None:  # Up, as far as the calibrated model says.
-      scale = trials[good].get('measured_over_predicted', 1.0)
-      size = max(good + step, predictor.Largest(config, good, scale))
-      size = min(size, FLAGS.max_size)
-      if size in trials:
-        break
-    else:
-      size = good + ((bad - good) // 2) // step * step
-    Run(size)
+      calibrated = trials[good].get('measured_over_predicted', 1.0)
+      first = max(good + step, predictor.Largest(config, good, calibrated))
+      sizes = [first + i * step for i in range(width)]
+    else:  # The gap split evenly (every size in it, if it is that small).
+      inside = (bad - good) // step - 1
+      sizes = [good + (i + 1) * step for i in range(inside)] if (
+          inside <= width) else [
+              good + (bad - good) * (i + 1) // (width + 1) // step * step
+              for i in range(width)]
+    return [s for s in dict.fromkeys(sizes)
+            if smallest <= s <= FLAGS.max_size and s not in trials and
+            (bad is None or s < bad) and s > good]
+
+  # A trial that times out says nothing about memory: the search stops
+  # there, and the largest size that fitted is a lower bound.
+  first = max(FLAGS.first_size or guess, smallest)
+  sizes = [s for s in (first + i * step for i in range(width))
+           if s <= max(FLAGS.max_size, first)]
+  while sizes and not TimedOut():
+    Run(sizes[:max(1, FLAGS.max_trials - len(trials))])
+    if len(trials) >= FLAGS.max_trials:
+      break
+    sizes = NextSizes()
   return Bounds()[0], trials, predicted
 
 
@@ -446,11 +503,14 @@ def main(argv):
     if FLAGS.predict_only:
       _Predict(family, predictor, previous, Log)
       continue
+    scale = 1.0
     for config in FLAGS.configs:
       size, trials, predicted = Search(family, config, predictor, previous,
-                                       Log)
+                                       Log, scale)
       previous = max(previous, size)
       fitting = trials.get(size, {})
+      if config != 'naive-1':  # The next pipeline errs by about as much.
+        scale = fitting.get('measured_over_predicted', scale)
       _, counts, peaks = predictor.Peaks(config, size) if size else (
           None, None, None)
       results.append({

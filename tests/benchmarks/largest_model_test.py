@@ -142,10 +142,11 @@ import json, sys
 from absl import flags
 from benchmarks import largest_model
 
-flags.FLAGS(['largest_model', '--budget_mib=16', '--max_trials=%d'])
+flags.FLAGS(['largest_model', '--budget_mib=16', '--max_trials=%d',
+             '--parallel_trials=%d'])
 MIB = largest_model.MIB
 TRUE_MIB, PREDICTED_MIB = %r, %r  # per size unit: the truth and the model
-TIMEOUT_AT = %r
+TIMEOUT_AT, SCALE, OVERSHOOT = %r, %r, %r
 
 
 class Predictor:
@@ -153,7 +154,9 @@ class Predictor:
     return [size * PREDICTED_MIB * MIB], [size], None
 
   def Largest(self, config, start, scale=1.0):
-    return int(16 / (PREDICTED_MIB * scale))
+    # OVERSHOOT: a calibrated guess that is that much too large.
+    return int(16 / (PREDICTED_MIB * scale)) + (OVERSHOOT if scale != 1.0
+                                                 else 0)
 
 
 def Trial(config, family, size, counts):
@@ -165,19 +168,21 @@ def Trial(config, family, size, counts):
 
 largest_model.Trial = Trial
 size, trials, predicted = largest_model.Search(
-    'transformer', 'pipeline-8', Predictor(), 1, lambda line: None)
+    'transformer', 'pipeline-8', Predictor(), 1, lambda line: None, SCALE)
 print(json.dumps([size, sorted(trials), predicted]))
 '''
 
 
-def _Search(true_mib, predicted_mib, max_trials=4, timeout_at=None):
+def _Search(true_mib, predicted_mib, max_trials=6, timeout_at=None,
+            parallel=2, scale=1.0, overshoot=0):
   """(largest size found, sizes tried, predicted) of a search whose trials
   fit while size x true_mib <= 16, its model predicting predicted_mib."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run(
-      [sys.executable, '-c', _SEARCH % (max_trials, true_mib, predicted_mib,
-                                        timeout_at)],
+      [sys.executable, '-c', _SEARCH % (max_trials, parallel, true_mib,
+                                        predicted_mib, timeout_at, scale,
+                                        overshoot)],
       cwd=script_runner.ROOT, capture_output=True, text=True, timeout=60,
       check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -185,14 +190,32 @@ def _Search(true_mib, predicted_mib, max_trials=4, timeout_at=None):
 
 
 def test_search_calibrates_the_memory_model_by_a_trial_and_bisects():
-  # The model over-predicts by 1.2x: it guesses 66 blocks; scaled by the
-  # first trial's measured/predicted it guesses 80, the answer, and the
-  # trial after it (81) does not fit.
-  assert _Search(true_mib=0.2, predicted_mib=0.24) == [80, [66, 80, 81], 66]
+  # One trial at a time. The model over-predicts by 1.2x: it guesses 66
+  # blocks; scaled by the first trial's measured/predicted it guesses 80,
+  # the answer, and the trial after it (81) does not fit.
+  assert _Search(0.2, 0.24, parallel=1) == [80, [66, 80, 81], 66]
   # Under-predicted: down from the guess, one size at a time.
-  assert _Search(true_mib=0.25, predicted_mib=0.24) == [64, [64, 65, 66], 66]
+  assert _Search(0.25, 0.24, parallel=1) == [64, [64, 65, 66], 66]
   # A timed-out trial ends the search: what fitted is a lower bound.
-  assert _Search(0.2, 0.24, timeout_at=70) == [66, [66, 80], 66]
+  assert _Search(0.2, 0.24, timeout_at=70, parallel=1) == [66, [66, 80], 66]
+
+
+def test_search_runs_a_size_and_the_next_side_by_side():
+  # A right prediction is confirmed in one round: 64 fits, 65 does not.
+  assert _Search(0.25, 0.25) == [64, [64, 65], 64]
+  # Over-predicted by 1.2x: 66 and 67 fit, then the calibrated 80 and 81.
+  assert _Search(0.2, 0.24) == [80, [66, 67, 80, 81], 66]
+  # Under-predicted: 66 and 67 fail, then the two sizes below them.
+  assert _Search(0.25, 0.24) == [64, [64, 65, 66, 67], 66]
+  # The previous pipeline's measured/predicted scales the first guess: a
+  # model that over-predicts by 1.2x lands in one round.
+  assert _Search(0.2, 0.24, scale=0.2 / 0.24) == [80, [80, 81], 66]
+  # A timed-out trial ends the search.
+  assert _Search(0.2, 0.24, timeout_at=70) == [67, [66, 67, 80, 81], 66]
+  # A gap between a fit and a failure is split in three by each round
+  # (67 and 90: 74 and 82; then 76 and 79; then 80 and 81).
+  assert _Search(0.2, 0.24, overshoot=10, max_trials=10) == [
+      80, [66, 67, 74, 76, 79, 80, 81, 82, 90, 91], 66]
 
 
 _WATCH = r'''
