@@ -436,6 +436,37 @@ def test_error_cell_output_does_not_fit_next_cell():
     pipe(tf.ones([4, DIM]))
 
 
+class _ReceiveFailsLayer(keras.layers.Layer):
+  """Fails as a worker does when it cannot allocate a tensor sent to it."""
+
+  def call(self, x):
+    raise tf.errors.InvalidArgumentError(
+        None, None, 'Unable to parse tensor proto')
+
+  def compute_output_shape(self, input_shape):
+    return input_shape
+
+
+def test_error_a_cell_that_cannot_receive_its_input_says_memory():
+  """A worker that cannot allocate its input fails with an error that never
+  says memory; the cell's error says it, not "check the shapes"."""
+  layer_params = [
+      layers.FCLayer.Params().Set(name='fc0', input_dims=DIM, output_dims=DIM),
+      layers.KerasLayer.Params().Set(name='receive', cls=_ReceiveFailsLayer)]
+  cells = gpipe.PartitionSequentialLayers(layer_params, 2, balance=[1, 1])
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=2,
+      devices=_Devices(2)).Instantiate()
+  with pytest.raises(ValueError) as info:
+    pipe(tf.ones([4, DIM]))
+  text = str(info.value)
+  assert ('pipe: cell 1 (cell1) could not receive the output of cell 0 '
+          '(cell0)') in text, text
+  assert 'ran out of memory' in text and "remat_policy='always'" in text
+  assert 'Check that the cells' not in text
+  assert 'Unable to parse tensor proto' in text  # The cause is kept.
+
+
 class _UnknownRankLayer(keras.layers.Layer):
   """Doubles its input in a tf.py_function, whose output has unknown rank
   (Keras is told the shape, as a user's compute_output_shape would)."""

@@ -56,12 +56,26 @@ from tfpipe.layers import core as layers_core
 EXECUTORS = ('auto', 'graph', 'threads')
 _MAX_COMPILED_STEPS = 4
 
+# How a worker that cannot allocate a tensor sent to it fails the step; the
+# error says nothing of memory (tfpipe/out_of_memory.py).
+_RECEIVE_FAILED = 'unable to parse tensor proto'
+
+
 def CellError(pipeline_name, cells, k, x, error):
   """A ValueError naming cell k, its input's shapes and the likely fix."""
   source = (f'the output of cell {k - 1} ({cells[k - 1].name})'
             if k else 'the pipeline input')
   shapes = microbatch.ShapesText(x)
   text = str(error).lower()
+  if _RECEIVE_FAILED in text:
+    return ValueError(
+        f'{pipeline_name}: cell {k} ({cells[k].name}) could not receive '
+        f'{source} (shapes {shapes}): its device most likely ran out of '
+        'memory (a worker that cannot allocate a tensor sent to it fails '
+        'this way). --mode=inspect_model predicts each device\'s peak; more '
+        'partitions, more micro-batches, remat_policy=\'always\' or '
+        'balance=\'memory\' lower it. '
+        f'Cause: {type(error).__name__}: {error}')
   hint = (' Check that the cells\' layers fit each other (e.g. input_dims).'
           if 'shape' in text or 'dimension' in text else '')
   if microbatch.UNKNOWN_RANK in tf.nest.flatten(shapes):
