@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -175,6 +176,9 @@ def main(argv):
       rows.append({'executor': executor, 'update': update,
                    'peak_mib': [round(p / MIB, 1) for p in peaks],
                    'max_over_min': round(max(peaks) / min(peaks), 3),
+                   # What a misplaced op shows: one device above the rest.
+                   'max_over_median': round(
+                       max(peaks) / statistics.median(peaks), 3),
                    'worker0_over_rest': round(
                        peaks[0] / (sum(peaks[1:]) / len(peaks[1:])), 3)})
   print(f'Per-device peak memory, K={FLAGS.num_cells} worker processes '

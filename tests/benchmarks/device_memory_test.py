@@ -1,10 +1,14 @@
 """Per-device memory on separate allocators (benchmarks/device_memory.py).
 
 Each cell runs in its own single-device worker process with a BFC
-allocator, so each device's peak is its own, as on K GPUs. Equal cells must
-peak within 1.3x of each other, and the control (the trainer's update with
+allocator, so each device's peak is its own, as on K GPUs. No device of
+equal cells may peak above 1.3x their median (what an op left on the
+default device shows), and the control (the trainer's update with
 tfpipe.placement switched off) must show worker 0, the default device,
 holding far more: otherwise the measurement could not see a misplacement.
+(Max over min was the bar until a loaded CI run saw one device 3 MiB
+below the others, 13.7 / 13.9 / 13.1 / 10.7 MiB: these growing allocators'
+remote frees race, and a low device is no misplacement.)
 """
 # bazel: tags=manual
 
@@ -34,6 +38,6 @@ def test_equal_cells_have_equal_peaks_and_the_control_shows_worker_0(
         (tmp_path / f'{executor}.json').read_text())['rows']})
   for executor in ('graph', 'threads'):
     placed = rows[(executor, 'placed')]
-    assert placed['max_over_min'] <= 1.3, placed
+    assert placed['max_over_median'] <= 1.3, placed
     control = rows[(executor, 'unplaced')]
     assert control['worker0_over_rest'] >= 1.5, control
