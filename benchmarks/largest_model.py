@@ -456,7 +456,9 @@ def Search(family, config, predictor, start, log, scale=1.0):
       sizes = [bad - (i + 1) * step for i in range(width)]
     elif bad is None:  # Up, as far as the calibrated model says.
       calibrated = trials[good].get('measured_over_predicted', 1.0)
-      first = max(good + step, predictor.Largest(config, good, calibrated))
+      first = min(max(good + step,
+                      predictor.Largest(config, good, calibrated)),
+                  FLAGS.max_size)
       sizes = [first + i * step for i in range(width)]
     else:  # The gap split evenly (every size in it, if it is that small).
       inside = (bad - good) // step - 1

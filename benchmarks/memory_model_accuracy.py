@@ -210,13 +210,18 @@ def RunModelPerProcess(model, rows, log, save=None):
   example, sizes = _ExampleAndSizes(model)
   configurations = list(_Configurations(model))
   profiles = {}
+
+  def SlackLines(line):
+    """The profile's line on the slack (or on why it was not measured)."""
+    if 'slack' in line:
+      log(f'  {line}')
   for p in configurations:
     k = p.task.pipeline.num_partitions
     if k not in profiles:
       start = time.time()
       profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
           p, micro_batch_sizes=sizes, example=example, device='/GPU:0'),
-                                          in_subprocess=True)
+          log=SlackLines, in_subprocess=True)
       log(f'{model} K={k}: profiled its cells on a GPU at micro-batch sizes '
           f'{sizes} in {time.time() - start:.0f}s')
   with concurrent.futures.ThreadPoolExecutor(FLAGS.parallel) as pool:
@@ -483,7 +488,8 @@ def main(argv):
   from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
   bench_lib.tf.get_logger().setLevel('ERROR')
   devices = None
-  per_process = FLAGS.device == 'gpu' and FLAGS.process_per_configuration
+  per_process = (FLAGS.device == 'gpu' and FLAGS.process_per_configuration
+                 and not FLAGS.predict_from)
   if per_process:  # The GPU is the measuring processes'.
     from tfpipe import devices as devices_lib  # pylint: disable=g-import-not-at-top
     try:
