@@ -273,18 +273,14 @@ def _GpuMemoryMb():
 def _MeasureRequest(path):
   """--measure_request: one configuration on K fresh logical GPUs."""
   import pickle  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
   with open(path, 'rb') as f:
     request = pickle.load(f)
   p = request['params']
-  k = p.task.pipeline.num_partitions
-  gpus = tf.config.list_physical_devices('GPU')
-  if not gpus:
-    raise app.UsageError('--device=gpu: this machine has no GPU.')
-  tf.config.set_logical_device_configuration(gpus[0], [
-      tf.config.LogicalDeviceConfiguration(memory_limit=_GpuMemoryMb())] * k)
-  peaks = _MeasureInProcess(p, [f'/GPU:{i}' for i in range(k)],
-                            request['example'])
+  # A limit makes each a logical GPU of that size, even at K=1.
+  _, devices = bench_lib.LocalDevices(p.task.pipeline.num_partitions, 'gpu',
+                                      _GpuMemoryMb())
+  peaks = _MeasureInProcess(p, devices, request['example'])
   with open(path + '.out', 'wb') as f:
     pickle.dump(peaks, f)
 
