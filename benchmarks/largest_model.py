@@ -45,6 +45,7 @@ device's predicted peak says where its memory goes.
     python -m benchmarks.largest_model --output_json=/tmp/bench/largest_model.json
 """
 
+import concurrent.futures
 import json
 import os
 import re
@@ -309,26 +310,91 @@ class Predictor:
     self.log = log
     self._profiles = {}  # layer signature -> CellProfile
 
-  def _LayerProfiles(self, p):
-    """gpipe.planner.LayerProfiles of the model of params p."""
-    from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
+  def _Signatures(self, p):
+    """(layer cells, the memory profile's signature of each) of params p."""
     from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
-    from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
     from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
     cells = memory_report.LayerCells(p)
     model = p.task.model.Instantiate()
     shapes = memory_report.CellInputShapes(cells, model.InputShape())
-    keys = [memory_profile.CellSignature(c, s, k == len(cells) - 1)
-            for k, (c, s) in enumerate(zip(cells, shapes))]
+    return cells, [memory_profile.CellSignature(c, s, k == len(cells) - 1)
+                   for k, (c, s) in enumerate(zip(cells, shapes))]
+
+  def _Profile(self, p, cells, indices):
+    """CellProfiles of the layers at `indices` of params p, in a subprocess."""
+    from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
+    from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+    request = memory_report.ProfileRequest(
+        p, cells=cells, micro_batch_sizes=[1, FLAGS.batch],
+        intra_op_threads=capped_workers.INTRA_OP_THREADS)
+    request.Select(indices)  # Only the layers not profiled yet.
+    return memory_report.Profile(request, in_subprocess=True)
+
+  def Prefetch(self):
+    """Profiles, before the search, every distinct layer it will meet, in
+    --parallel_trials subprocesses side by side.
+
+    A family's small sizes hold layers its larger ones do not (AmoebaNet's
+    L=3, 6 and 9 each add some; from L=12 on the 13 are the same), and the
+    search probes sizes in that order, so profiling on demand took three
+    rounds of one subprocess each (3 minutes for AmoebaNet). The sizes
+    walked here stop once two in a row add nothing; the largest size the
+    search considers is looked at too. A profile measures memory (each
+    subprocess its own allocator), so running them side by side changes
+    their time, not what they measure.
+    """
+    step, smallest, _, _ = FAMILIES[self.family]
+    seen = set(self._profiles)
+    items = []  # (size, params, cells, signatures, index): new signatures.
+
+    def Walk(size):
+      p = ExperimentParams(self.family, size)
+      cells, keys = self._Signatures(p)
+      new = [k for k, key in enumerate(keys)
+             if key not in seen and key not in keys[:k]]
+      seen.update(keys)
+      items.extend((size, p, cells, keys, k) for k in new)
+      return new
+    quiet, size = 0, smallest
+    while size <= FLAGS.max_size and quiet < 2:
+      quiet = 0 if Walk(size) else quiet + 1
+      size += step
+    if size <= FLAGS.max_size:
+      Walk(FLAGS.max_size)
+    if not items:
+      return
+    start = time.time()
+    width = max(1, min(FLAGS.parallel_trials, len(items)))
+    share = -(-len(items) // width)
+    groups = [items[i:i + share] for i in range(0, len(items), share)]
+
+    def ProfileGroup(group):
+      """One subprocess per size in the group, one after another."""
+      profiled = {}
+      for size in dict.fromkeys(item[0] for item in group):
+        mine = [item for item in group if item[0] == size]
+        _, p, cells, keys, _ = mine[0]
+        indices = [item[4] for item in mine]
+        for k, profile in zip(indices, self._Profile(p, cells, indices)):
+          profiled[keys[k]] = profile
+      return profiled
+    with model_environment.Within(self.family), (
+        concurrent.futures.ThreadPoolExecutor(len(groups))) as pool:
+      for profiled in pool.map(ProfileGroup, groups):
+        self._profiles.update(profiled)
+    self.log(f'  profiled {len(items)} layer(s) of sizes '
+             f'{sorted(set(item[0] for item in items))} in {len(groups)} '
+             f'subprocess chain(s) side by side, {time.time() - start:.0f}s')
+
+  def _LayerProfiles(self, p):
+    """gpipe.planner.LayerProfiles of the model of params p."""
+    from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
+    cells, keys = self._Signatures(p)
     missing = [k for k, key in enumerate(keys) if key not in self._profiles]
     if missing:
       start = time.time()
-      request = memory_report.ProfileRequest(
-          p, cells=cells, micro_batch_sizes=[1, FLAGS.batch],
-          intra_op_threads=capped_workers.INTRA_OP_THREADS)
-      request.Select(missing)  # Only the layers not profiled yet.
       with model_environment.Within(self.family):
-        profiles = memory_report.Profile(request, in_subprocess=True)
+        profiles = self._Profile(p, cells, missing)
       for k, profile in zip(missing, profiles):
         self._profiles[keys[k]] = profile
       self.log(f'  profiled {len(missing)} new layer(s) in '
@@ -420,7 +486,6 @@ def Search(family, config, predictor, start, log, scale=1.0):
 
   def Run(sizes):
     """Tries `sizes` side by side."""
-    import concurrent.futures  # pylint: disable=g-import-not-at-top
     # Predictions first, here: a new layer's profile is a subprocess.
     predictions = {size: predictor.Peaks(config, size) for size in sizes}
     with concurrent.futures.ThreadPoolExecutor(len(sizes)) as pool:
@@ -501,6 +566,7 @@ def main(argv):
     print(line, flush=True)
   for family in FLAGS.families:
     predictor = Predictor(family, Log)
+    predictor.Prefetch()
     previous = FAMILIES[family][1]
     if FLAGS.predict_only:
       _Predict(family, predictor, previous, Log)

@@ -302,12 +302,24 @@ class DeferredStatsCollector:
   records; the layer merges them into full-batch statistics and updates once.
   A layer that records must implement `ApplyDeferredStats(records)`, where
   records is a list of (count, stats) with count a scalar float tensor.
+
+  Applied eagerly, every layer's merge is a few dozen small ops, each a
+  round trip when its device is a remote worker's: thousands per step for a
+  deep network with batch norm. Given `traced_updates` (a dict the caller
+  keeps across steps), the merges of one device are one traced call instead.
   """
 
-  def __init__(self):
+  def __init__(self, traced_updates=None):
+    """Starts an empty collection.
+
+    Args:
+      traced_updates: None, or a dict that outlives the collector, where an
+        eager `Apply` keeps one tf.function per device and set of layers.
+    """
     self._records = {}
     self._layers = {}
     self._devices = {}
+    self._traced_updates = traced_updates
 
   @tf.autograph.experimental.do_not_convert
   def Add(self, layer, stats, count, device=None):
@@ -328,6 +340,9 @@ class DeferredStatsCollector:
   @tf.autograph.experimental.do_not_convert
   def Apply(self):
     """Applies every layer's merged statistics; returns the update ops (graph mode)."""
+    if self._traced_updates is not None and tf.executing_eagerly():
+      self._ApplyTraced()
+      return []
     updates = []
     for key, records in self._records.items():
       device = self._devices.get(key)
@@ -338,6 +353,37 @@ class DeferredStatsCollector:
     self._records.clear()
     self._devices.clear()
     return updates
+
+  def _ApplyTraced(self):
+    """Each device's merges as one call of a tf.function traced once."""
+    by_device = {}
+    for key in self._records:
+      by_device.setdefault(self._devices.get(key), []).append(key)
+    for device, keys in by_device.items():
+      signature = (device, tuple((key, len(self._records[key]))
+                                 for key in keys))
+      update = self._traced_updates.get(signature)
+      if update is None:
+        layers = [self._layers[key] for key in keys]
+
+        def Update(records, layers=layers, device=device):
+          with tf.device(device) if device else contextlib.nullcontext():
+            for layer, layer_records in zip(layers, records):
+              layer.ApplyDeferredStats(layer_records)
+        if len(self._traced_updates) >= _MAX_TRACED_UPDATES:
+          self._traced_updates.clear()  # A new step structure: start over.
+        update = self._traced_updates[signature] = tf.function(
+            Update, autograph=False)
+      with tf.device(device) if device else contextlib.nullcontext():
+        update([self._records[key] for key in keys])
+    self._records.clear()
+    self._devices.clear()
+
+
+# Traced updates kept per caller: one per device and step structure (the
+# layers that recorded and how many records each); a caller's steps share
+# one, so a few cover any change of the number of micro-batches.
+_MAX_TRACED_UPDATES = 64
 
 
 def _StableHash(text):

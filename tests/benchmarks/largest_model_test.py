@@ -280,3 +280,54 @@ def test_a_worker_out_of_memory_is_named_even_when_the_step_fails_first():
   assert refused == ['WorkerOutOfMemory', 'worker 1\'s allocator refused '
                      '256.0KiB, for op Conv2DBackpropFilter', 1]
   assert other == ['ValueError', 'Socket closed', 0]
+
+
+_PREFETCH = r'''
+import json, threading
+from absl import flags
+from benchmarks import largest_model
+
+flags.FLAGS(['largest_model', '--max_size=30', '--parallel_trials=2'])
+calls, started = [], threading.Barrier(2, timeout=20)
+
+
+def Signatures(self, size):
+  # As AmoebaNet's: sizes 3, 6 and 9 each add a layer, later ones none;
+  # the largest size holds one more.
+  keys = ['first', 'grow%%d' %% min(size, 9), 'last'] + (
+      ['big'] if size >= 30 else [])
+  return ['cell'] * len(keys), keys
+
+
+def Profile(self, size, cells, indices):
+  if not calls or calls[-1][0] != size and size in (3, 6):
+    started.wait()  # Each chain's first subprocess runs beside the other's.
+  calls.append((size, indices))
+  return ['profile of %%d:%%d' %% (size, k) for k in indices]
+
+
+largest_model.ExperimentParams = lambda family, size: size
+largest_model.Predictor._Signatures = Signatures
+largest_model.Predictor._Profile = Profile
+predictor = largest_model.Predictor('amoebanet', lambda line: None)
+predictor.Prefetch()
+predictor.Prefetch()  # Everything is known: nothing more to profile.
+print(json.dumps([sorted(calls), sorted(predictor._profiles.items())]))
+'''
+
+
+def test_prefetch_profiles_each_new_layer_once_in_side_by_side_chains():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, '-c', _PREFETCH % ()],
+                        cwd=script_runner.ROOT, capture_output=True,
+                        text=True, timeout=60, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  calls, profiles = json.loads(proc.stdout.splitlines()[-1])
+  # Sizes 3 to 15 walked (12 and 15 add nothing), then the largest, 30;
+  # six new layers in two chains of three: one subprocess per size.
+  assert calls == [[3, [0, 1, 2]], [6, [1]], [9, [1]], [30, [3]]]
+  assert dict(profiles) == {
+      'first': 'profile of 3:0', 'grow3': 'profile of 3:1',
+      'last': 'profile of 3:2', 'grow6': 'profile of 6:1',
+      'grow9': 'profile of 9:1', 'big': 'profile of 30:3'}

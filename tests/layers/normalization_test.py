@@ -112,3 +112,72 @@ def test_layer_norm_matches_numpy():
   meta = layers.LayerNorm.FPropMeta(p, (None, 3, 4))
   assert meta.output_shape == (None,) + tuple(got.shape[1:])
   assert meta.num_params == 8
+
+
+def _Image(seed=0):
+  return _Data((4, 5, 6, 3), seed)
+
+
+def test_fused_batch_norm_equals_unfused_forward_gradients_and_stats():
+  """Images take the fused kernel; outputs, gradients and moving averages
+  are the separate ops' (its Bessel-corrected variance is undone)."""
+  x = tf.constant(_Image(4))
+  weights = tf.constant(_Data((4, 5, 6, 3), seed=7))
+  results = []
+  for fused in (True, False):
+    bn = _Bn(fused=fused).Instantiate()
+    bn.gamma.assign([1.0, 2.0, 0.5])
+    bn.beta.assign([0.0, -1.0, 0.3])
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = bn(x, training=True)
+      loss = tf.reduce_sum(y * y * weights)
+    grads = tape.gradient(loss, [x, bn.gamma.value, bn.beta.value])
+    results.append([y] + grads + [bn.moving_mean, bn.moving_variance,
+                                  bn(x, training=False)])
+  for fused, unfused in zip(*results):
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(unfused),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_fused_batch_norm_is_one_op_each_way():
+  bn = _Bn().Instantiate()
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = bn(x, training=True)
+    return tape.gradient(y, x)
+  ops = [op.type for op in Step.get_concrete_function(
+      tf.TensorSpec([2, 4, 4, 3])).graph.get_operations()]
+  assert ops.count('FusedBatchNormV3') == 1
+  assert ops.count('FusedBatchNormGradV3') == 1
+  assert 'Mean' not in ops  # No separate moments.
+
+
+def test_fused_deferred_batch_norm_equals_full_batch_update():
+  x = _Image(5)
+  full = _Bn().Instantiate()
+  full(x, training=True)
+  piped = _Bn().Instantiate()
+  collector = base_layer.DeferredStatsCollector()
+  with base_layer.CollectDeferredStats(collector):
+    for s in (x[:1], x[1:3], x[3:]):
+      piped(s, training=True)
+  collector.Apply()
+  np.testing.assert_allclose(piped.moving_mean.numpy(),
+                             full.moving_mean.numpy(), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(piped.moving_variance.numpy(),
+                             full.moving_variance.numpy(), rtol=1e-5)
+  np.testing.assert_allclose(
+      full.moving_variance.numpy(), 0.9 + 0.1 * x.var(axis=(0, 1, 2)),
+      rtol=1e-5)
+
+
+def test_batch_norm_of_one_element_per_channel_has_zero_variance():
+  """A single element per channel: the kernel would return its corrected
+  variance; the layer normalizes with separate ops, as unfused."""
+  bn = _Bn().Instantiate()
+  bn(tf.ones([1, 1, 1, 3]), training=True)
+  np.testing.assert_allclose(bn.moving_variance.numpy(), [0.9] * 3)

@@ -251,6 +251,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     # One compiled step per loss_fn, the latest few: a tf.function keeps
     # every trace, and a caller may pass a new closure each step.
     self._compiled_steps = collections.OrderedDict()
+    # Batch norm's deferred statistics, applied eagerly: one traced update
+    # per device (base_layer.DeferredStatsCollector).
+    self._stats_updates = {}
 
   @property
   def cell_devices(self):
@@ -427,7 +430,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     tied.Refresh()
     step = self._NextStep(training)
     shards, _ = self._Shards(inputs, None, step)
-    collector = base_layer.DeferredStatsCollector() if training else None
+    collector = base_layer.DeferredStatsCollector(
+        self._stats_updates) if training else None
     if tape_path.WillDifferentiate(inputs, self._CellVariables(), training):
       outputs = tape_path.Forward(
           self.runtime, inputs, shards, training, collector,
@@ -505,7 +509,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     if step is None:
       step = self._NextStep(training)
     shards, batch_size = self._Shards(inputs, targets, step)
-    collector = base_layer.DeferredStatsCollector() if training else None
+    collector = base_layer.DeferredStatsCollector(
+        self._stats_updates) if training else None
     with tf.device(self._cell_devices[-1]):
       batch_size = tf.cast(batch_size, tf.float32)
     result = self.runtime.ForwardBackward(
