@@ -87,13 +87,15 @@ class BatchNormLayer(base_layer.BaseLayer):
 
   def _FusedFProp(self, inputs, training):
     data_format = 'NHWC' if inputs.shape.rank == 4 else 'NDHWC'
-    scale = tf.convert_to_tensor(self.gamma)
-    offset = tf.convert_to_tensor(self.beta)
+    # The kernel's statistics and scale are float32 whatever x's dtype (a
+    # read under Keras' autocast may give them in x's).
+    scale = tf.cast(self.gamma, tf.float32)
+    offset = tf.cast(self.beta, tf.float32)
     if not training:
       return tf.raw_ops.FusedBatchNormV3(
           x=inputs, scale=scale, offset=offset,
-          mean=tf.convert_to_tensor(self.moving_mean),
-          variance=tf.convert_to_tensor(self.moving_variance),
+          mean=tf.cast(self.moving_mean, tf.float32),
+          variance=tf.cast(self.moving_variance, tf.float32),
           epsilon=self.p.epsilon, data_format=data_format,
           is_training=False).y
     empty = tf.constant([], tf.float32)
