@@ -13,7 +13,7 @@ fused kernel: one op forward and one backward, where `tf.nn.moments` and
 `tf.nn.batch_normalization` trace about twenty forward ops and their
 gradients. A pipeline traces every cell's forward and backward before its
 first step, so the op count is start-up time: AmoebaNet-D's first pipelined
-step traced about 30% faster fused (benchmarks/RESULTS.md, largest_model).
+step traced about 25% faster fused (benchmarks/RESULTS.md, largest_model).
 """
 
 import tensorflow as tf
