@@ -59,6 +59,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from benchmarks import model_environment  # pylint: disable=g-import-not-at-top
+from benchmarks import size_predictor  # pylint: disable=g-import-not-at-top
 from benchmarks import trial_workers  # pylint: disable=g-import-not-at-top
 from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
 from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
@@ -105,7 +106,7 @@ flags.DEFINE_string('family', None, 'Trial: the model family.')
 flags.DEFINE_integer('size', None, 'Trial: the model size.')
 flags.DEFINE_list('layer_counts', None, 'Trial: layers per cell.')
 
-MIB = 2.0**20
+MIB = size_predictor.MIB
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # family: (size step, smallest size, GPipe's numbers by configuration,
@@ -155,10 +156,6 @@ def Budget(family):
   return FLAGS.budget_mib or FAMILIES[family][3]
 
 
-def NumCells(config):
-  return int(config.split('-')[1])
-
-
 # ---- one trial, in its own process ---------------------------------------------
 
 
@@ -189,7 +186,7 @@ def _RunTrial():
           'peak']]
     else:
       from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
-      k = NumCells(FLAGS.trial)
+      k = size_predictor.NumCells(FLAGS.trial)
       started = time.time()
       workers = capped_workers.CappedWorkers(
           k, memory_mb=int(Budget(FLAGS.family)), owner='largest_model')
@@ -301,157 +298,18 @@ def Trial(config, family, size, layer_counts=None):
 # ---- the memory model's seed ----------------------------------------------------
 
 
-class Predictor:
-  """The memory model's largest size per configuration, from layer
-  profiles (one profiled step per distinct layer, shared by all sizes)."""
+class Predictor(size_predictor.SizePredictor):
+  """The family's SizePredictor under this benchmark's flags."""
 
   def __init__(self, family, log):
-    self.family = family
-    self.log = log
-    self._profiles = {}  # layer signature -> CellProfile
+    step, smallest, _, _ = FAMILIES[family]
+    super().__init__(family, log, step=step, smallest=smallest,
+                     budget_mib=Budget(family), batch=FLAGS.batch,
+                     max_size=FLAGS.max_size,
+                     parallel=FLAGS.parallel_trials)
 
-  def _Signatures(self, p):
-    """(layer cells, the memory profile's signature of each) of params p."""
-    from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
-    from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
-    cells = memory_report.LayerCells(p)
-    model = p.task.model.Instantiate()
-    shapes = memory_report.CellInputShapes(cells, model.InputShape())
-    return cells, [memory_profile.CellSignature(c, s, k == len(cells) - 1)
-                   for k, (c, s) in enumerate(zip(cells, shapes))]
-
-  def _Profile(self, p, cells, indices):
-    """CellProfiles of the layers at `indices` of params p, in a subprocess."""
-    from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
-    from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
-    request = memory_report.ProfileRequest(
-        p, cells=cells, micro_batch_sizes=[1, FLAGS.batch],
-        intra_op_threads=capped_workers.INTRA_OP_THREADS)
-    request.Select(indices)  # Only the layers not profiled yet.
-    return memory_report.Profile(request, in_subprocess=True)
-
-  def Prefetch(self):
-    """Profiles, before the search, every distinct layer it will meet, in
-    --parallel_trials subprocesses side by side.
-
-    A family's small sizes hold layers its larger ones do not (AmoebaNet's
-    L=3, 6 and 9 each add some; from L=12 on the 13 are the same), and the
-    search probes sizes in that order, so profiling on demand took three
-    rounds of one subprocess each (3 minutes for AmoebaNet). The sizes
-    walked here stop once two in a row add nothing; the largest size the
-    search considers is looked at too. A profile measures memory (each
-    subprocess its own allocator), so running them side by side changes
-    their time, not what they measure.
-    """
-    step, smallest, _, _ = FAMILIES[self.family]
-    seen = set(self._profiles)
-    items = []  # (size, params, cells, signatures, index): new signatures.
-
-    def Walk(size):
-      p = ExperimentParams(self.family, size)
-      cells, keys = self._Signatures(p)
-      new = [k for k, key in enumerate(keys)
-             if key not in seen and key not in keys[:k]]
-      seen.update(keys)
-      items.extend((size, p, cells, keys, k) for k in new)
-      return new
-    quiet, size = 0, smallest
-    while size <= FLAGS.max_size and quiet < 2:
-      quiet = 0 if Walk(size) else quiet + 1
-      size += step
-    if size <= FLAGS.max_size:
-      Walk(FLAGS.max_size)
-    if not items:
-      return
-    start = time.time()
-    width = max(1, min(FLAGS.parallel_trials, len(items)))
-    share = -(-len(items) // width)
-    groups = [items[i:i + share] for i in range(0, len(items), share)]
-
-    def ProfileGroup(group):
-      """One subprocess per size in the group, one after another."""
-      profiled = {}
-      for size in dict.fromkeys(item[0] for item in group):
-        mine = [item for item in group if item[0] == size]
-        _, p, cells, keys, _ = mine[0]
-        indices = [item[4] for item in mine]
-        for k, profile in zip(indices, self._Profile(p, cells, indices)):
-          profiled[keys[k]] = profile
-      return profiled
-    with model_environment.Within(self.family), (
-        concurrent.futures.ThreadPoolExecutor(len(groups))) as pool:
-      for profiled in pool.map(ProfileGroup, groups):
-        self._profiles.update(profiled)
-    self.log(f'  profiled {len(items)} layer(s) of sizes '
-             f'{sorted(set(item[0] for item in items))} in {len(groups)} '
-             f'subprocess chain(s) side by side, {time.time() - start:.0f}s')
-
-  def _LayerProfiles(self, p):
-    """gpipe.planner.LayerProfiles of the model of params p."""
-    from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
-    cells, keys = self._Signatures(p)
-    missing = [k for k, key in enumerate(keys) if key not in self._profiles]
-    if missing:
-      start = time.time()
-      with model_environment.Within(self.family):
-        profiles = self._Profile(p, cells, missing)
-      for k, profile in zip(missing, profiles):
-        self._profiles[keys[k]] = profile
-      self.log(f'  profiled {len(missing)} new layer(s) in '
-               f'{time.time() - start:.0f}s')
-    profiles = [self._profiles[key] for key in keys]
-    return planner.LayerProfiles(profiles, profiles[-1])
-
-  def Peaks(self, config, size):
-    """(predicted per-device peaks, layer counts) of one size."""
-    from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
-    from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
-    p = ExperimentParams(self.family, size)
-    layers = self._LayerProfiles(p)
-    if config == 'naive-1':
-      step = memory_model.StepConfig('gpipe', 1, FLAGS.batch, 'never')
-      cell = layers.Range(0, len(layers), FLAGS.batch)
-      peak = memory_model.WalkDevice(memory_model.MakeSchedule(step, 1), 0,
-                                     lambda k, n: cell, step)
-      # With one micro-batch the walk counts no accumulators, as plain Keras.
-      return [peak.peak_bytes], [len(layers)], [peak]
-    step = memory_model.StepConfig('1f1b', FLAGS.batch, FLAGS.batch, 'always')
-    found = planner.MemoryBalancedCut(layers, NumCells(config), step)
-    if found is None:
-      return None, None, None
-    counts, _, peaks = found
-    return [p.peak_bytes for p in peaks], counts, peaks
-
-  def Largest(self, config, start, scale=1.0):
-    """The largest size predicted to fit (galloping, then bisecting).
-
-    With `scale`, each predicted peak is multiplied by it first: the ratio
-    of a trial's measured peak to the prediction calibrates the model for
-    this configuration's next guess.
-    """
-    step, smallest, _, _ = FAMILIES[self.family]
-    budget = Budget(self.family) * MIB / scale
-    limit = FLAGS.max_size
-
-    def Fits(size):
-      peaks, _, _ = self.Peaks(config, size)
-      return peaks is not None and max(peaks) <= budget
-    # The smallest model with at least one layer per cell.
-    while smallest <= limit and self.Peaks(config, smallest)[0] is None:
-      smallest += step
-    if smallest > limit or not Fits(smallest):
-      return 0
-    good, size = smallest, max(smallest, start)
-    while size <= limit and Fits(size):
-      good, size = size, size * 2 - (size * 2) % step
-    bad = min(size, limit + step)
-    while bad - good > step:
-      mid = good + ((bad - good) // 2) // step * step
-      if Fits(mid):
-        good = mid
-      else:
-        bad = mid
-    return good
+  def Params(self, size):
+    return ExperimentParams(self.family, size)
 
 
 # ---- the search ---------------------------------------------------------------

@@ -346,7 +346,7 @@ class DeferredStatsCollector:
     updates = []
     for key, records in self._records.items():
       device = self._devices.get(key)
-      with tf.device(device) if device else contextlib.nullcontext():
+      with _OnDevice(device):
         update = self._layers[key].ApplyDeferredStats(records)
       if update is not None:
         updates.append(update)
@@ -367,17 +367,22 @@ class DeferredStatsCollector:
         layers = [self._layers[key] for key in keys]
 
         def Update(records, layers=layers, device=device):
-          with tf.device(device) if device else contextlib.nullcontext():
+          with _OnDevice(device):
             for layer, layer_records in zip(layers, records):
               layer.ApplyDeferredStats(layer_records)
         if len(self._traced_updates) >= _MAX_TRACED_UPDATES:
           self._traced_updates.clear()  # A new step structure: start over.
         update = self._traced_updates[signature] = tf.function(
             Update, autograph=False)
-      with tf.device(device) if device else contextlib.nullcontext():
+      with _OnDevice(device):
         update([self._records[key] for key in keys])
     self._records.clear()
     self._devices.clear()
+
+
+def _OnDevice(device):
+  """tf.device(device), or no placement when the record named none."""
+  return tf.device(device) if device else contextlib.nullcontext()
 
 
 # Traced updates kept per caller: one per device and step structure (the
