@@ -33,6 +33,9 @@ step readme 150 python3 -m tfpipe.trainer --model=lm.TinyTransformerLm --logdir=
 # devices hold the allocator slack of a fresh build, then the LM.
 step mma_fresh_mlp 260 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=mlp \
   --parallel=8 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_fresh_mlp.json
+# The MLP at K=1 and 2 with the slack fix (K=4 was 18 of 18 with it).
+step mma_fresh_mlp12 200 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=mlp \
+  --num_cells=1,2 --parallel=8 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_fresh_mlp12.json
 step mma_fresh_lm 200 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=transformer_lm \
   --num_cells=2,4 --parallel=8 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_fresh_lm.json
 # About 10 s per configuration on the H200 (tracing dominates).
