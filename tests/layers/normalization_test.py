@@ -181,3 +181,24 @@ def test_batch_norm_of_one_element_per_channel_has_zero_variance():
   bn = _Bn().Instantiate()
   bn(tf.ones([1, 1, 1, 3]), training=True)
   np.testing.assert_allclose(bn.moving_variance.numpy(), [0.9] * 3)
+
+
+def test_merge_moments_of_unequal_parts_equals_the_whole_batch():
+  """Parts of 1, 3 and 6 rows merge into the whole batch's moments, each
+  part weighted by its count; the merge's ops do not grow with the parts."""
+  x = _Data((10, 3))
+  rows = [(0, 1), (1, 4), (4, 10)]
+  records = [(float(b - a), {'mean': x[a:b].mean(0), 'variance': x[a:b].var(0)})
+             for a, b in rows]
+  mean, variance = layers.normalization.MergeMoments(records)
+  np.testing.assert_allclose(mean.numpy(), x.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(variance.numpy(), x.var(0), rtol=1e-5)
+
+  def NumOps(parts):
+    def Merge():
+      return layers.normalization.MergeMoments(
+          [(tf.constant(1.0), {'mean': tf.zeros([3]), 'variance': tf.ones([3])})
+           for _ in range(parts)])
+    graph = tf.function(Merge).get_concrete_function().graph
+    return sum(op.type not in ('Const', 'Pack') for op in graph.get_operations())
+  assert NumOps(2) == NumOps(16)

@@ -46,6 +46,7 @@ from keras.src.random import seed_generator as keras_seed_generator
 import tensorflow as tf
 
 from tfpipe import base_layer
+from tfpipe.layers import normalization
 
 # Layers whose randomness is re-implemented per example (see module doc).
 NOISE_CLASSES = (keras.layers.Dropout, keras.layers.SpatialDropout1D,
@@ -310,15 +311,7 @@ class _DeferredKerasBatchNorm:
     self._layer = weakref.ref(layer)
 
   def ApplyDeferredStats(self, records):
-    counts = [tf.cast(c, tf.float32) for c, _ in records]
-    means = [tf.cast(s['mean'], tf.float32) for _, s in records]
-    variances = [tf.cast(s['variance'], tf.float32) for _, s in records]
-    total = tf.add_n(counts)
-    mean = tf.add_n([c * m for c, m in zip(counts, means)]) / total
-    # E[x^2] of each part is v + m^2; the merged variance is E[x^2] - mean^2.
-    second = tf.add_n([c * (v + tf.square(m))
-                       for c, m, v in zip(counts, means, variances)]) / total
-    variance = tf.maximum(second - tf.square(mean), 0.0)
+    mean, variance = normalization.MergeMoments(records)
     return UpdateMovingStats(self._layer(), mean, variance)
 
 

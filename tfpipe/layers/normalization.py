@@ -22,6 +22,30 @@ from tfpipe import base_layer
 from tfpipe.layers import core
 
 
+def MergeMoments(records):
+  """The full batch's (mean, variance) from its parts' records.
+
+  Args:
+    records: list of (count, {'mean': m, 'variance': v}), count the number
+      of elements each part reduced per channel.
+
+  Stacked, the merge is a dozen ops whatever the number of parts: a deep
+  network merges hundreds of layers per step, and each op is traced (or,
+  eagerly, a round trip to a remote worker).
+  """
+  counts = tf.stack([tf.cast(c, tf.float32) for c, _ in records])
+  means = tf.stack([tf.cast(s['mean'], tf.float32) for _, s in records])
+  variances = tf.stack(
+      [tf.cast(s['variance'], tf.float32) for _, s in records])
+  weights = tf.reshape(counts / tf.reduce_sum(counts),
+                       [-1] + [1] * (means.shape.rank - 1))
+  mean = tf.reduce_sum(weights * means, axis=0)
+  # E[x^2] of each part is v + m^2; the merged variance is E[x^2] - mean^2.
+  second_moment = tf.reduce_sum(
+      weights * (variances + tf.square(means)), axis=0)
+  return mean, tf.maximum(second_moment - tf.square(mean), 0.0)
+
+
 class BatchNormLayer(base_layer.BaseLayer):
   """Batch normalization over all axes but the last."""
 
@@ -123,17 +147,7 @@ class BatchNormLayer(base_layer.BaseLayer):
     Returns:
       The update op in graph mode, None when executing eagerly.
     """
-    counts = [tf.cast(c, tf.float32) for c, _ in records]
-    means = [tf.cast(s['mean'], tf.float32) for _, s in records]
-    variances = [tf.cast(s['variance'], tf.float32) for _, s in records]
-    total = tf.add_n(counts)
-    mean = tf.add_n([c * m for c, m in zip(counts, means)]) / total
-    # E[x^2] of each part is v + m^2; the merged variance is E[x^2] - mean^2.
-    second_moment = tf.add_n([
-        c * (v + tf.square(m)) for c, m, v in zip(counts, means, variances)
-    ]) / total
-    variance = tf.maximum(second_moment - tf.square(mean), 0.0)
-    return self._UpdateMovingStats(mean, variance)
+    return self._UpdateMovingStats(*MergeMoments(records))
 
   def _UpdateMovingStats(self, mean, variance):
     decay = self.p.decay
