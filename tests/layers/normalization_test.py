@@ -188,7 +188,8 @@ def test_merge_moments_of_unequal_parts_equals_the_whole_batch():
   part weighted by its count; the merge's ops do not grow with the parts."""
   x = _Data((10, 3))
   rows = [(0, 1), (1, 4), (4, 10)]
-  records = [(float(b - a), {'mean': x[a:b].mean(0), 'variance': x[a:b].var(0)})
+  records = [(float(b - a),
+              {'mean': x[a:b].mean(0), 'variance': x[a:b].var(0)})
              for a, b in rows]
   mean, variance = layers.normalization.MergeMoments(records)
   np.testing.assert_allclose(mean.numpy(), x.mean(0), rtol=1e-5)
@@ -196,9 +197,10 @@ def test_merge_moments_of_unequal_parts_equals_the_whole_batch():
 
   def NumOps(parts):
     def Merge():
+      part = {'mean': tf.zeros([3]), 'variance': tf.ones([3])}
       return layers.normalization.MergeMoments(
-          [(tf.constant(1.0), {'mean': tf.zeros([3]), 'variance': tf.ones([3])})
-           for _ in range(parts)])
+          [(tf.constant(1.0), part)] * parts)
     graph = tf.function(Merge).get_concrete_function().graph
-    return sum(op.type not in ('Const', 'Pack') for op in graph.get_operations())
+    return sum(op.type not in ('Const', 'Pack')
+               for op in graph.get_operations())
   assert NumOps(2) == NumOps(16)
