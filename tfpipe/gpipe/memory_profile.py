@@ -5,8 +5,10 @@ module does the same for memory (and, on the side, time): each distinct
 cell runs as a one-cell pipeline on this process's CPU, through the engine's
 own training step (`PipeliningLayer.ComputeLossAndGradients`), with a
 dispatcher that issues one action at a time and reads TensorFlow's allocator
-around each: the bytes in use before it, the peak while it runs and the
-bytes in use after it. GPipe with M=2 gives every kind of action a cell has:
+around each (action_memory.py): the bytes in use before it, the peak while
+it runs and the bytes in use after it, and for a forward the buffers it
+leaves for its backward. GPipe with M=2 gives every kind of action a cell
+has:
 
     F0   not followed by its B: keeps what B0 will read (the input only,
          re-materialized; the engine's recorded activations, not)
@@ -55,9 +57,9 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
+from tfpipe.gpipe import action_memory
 from tfpipe.gpipe import memory_model
+from tfpipe.gpipe import tensor_buffers
 
 # TensorFlow reads it when it starts: the intra-op threads of the process.
 INTRA_OP_ENV = 'TF_NUM_INTRAOP_THREADS'
@@ -100,10 +102,7 @@ def CheckAllocatorCounts(device=None):
         'memory_profile.ProfileInSubprocess.')
 
 
-def LeafBytes(t):
-  tf = _Tf()
-  return int(np.prod(tuple(t.shape), dtype=np.int64)) * tf.as_dtype(
-      t.dtype).size
+LeafBytes = tensor_buffers.LeafBytes
 
 
 def Bytes(structure):
@@ -116,77 +115,6 @@ def _FloatBytes(structure):
   tf = _Tf()
   return sum(LeafBytes(t) for t in tf.nest.flatten(structure)
              if t is not None and tf.as_dtype(t.dtype).is_floating)
-
-
-class ActionRecord:
-  """One action's bytes before, peak while running, bytes after; seconds."""
-
-  def __init__(self, action, before, peak, after, seconds):
-    self.action = action
-    self.before = before
-    self.peak = peak
-    self.after = after
-    self.seconds = seconds
-
-  @property
-  def transient(self):
-    return self.peak - self.before
-
-  @property
-  def delta(self):
-    return self.after - self.before
-
-
-class MemoryRecordingDispatcher:
-  """Issues a step's actions one at a time and records each one's memory.
-
-  It speaks the dispatcher protocol of gpipe.dispatch (Run, last_tokens);
-  a pipeline uses it through `SetThreadsDispatcher` with
-  executor='threads', called eagerly, where every action is a separate
-  function call that has finished when it returns.
-  """
-
-  name = 'memory_recording'
-
-  def __init__(self, allocator='CPU:0'):
-    from tfpipe.gpipe import dispatch  # pylint: disable=g-import-not-at-top
-    self._inline = dispatch.Inline()
-    self.allocator = allocator
-    self.last_tokens = []
-    self.records = []
-
-  def Run(self, program, step, record_times=False):
-    tf = _Tf()
-    from tfpipe.gpipe import dispatch  # pylint: disable=g-import-not-at-top
-    records = self.records
-    allocator = self.allocator
-    # A GPU runs an action's kernels after the call returns: its time ends
-    # when its outputs exist. (Its memory is counted as the host allocates,
-    # in issue order, either way.)
-    wait = allocator.startswith('GPU')
-
-    class _Measured:
-      """The step, each Execute read around."""
-
-      def Gather(self, item, store):
-        return step.Gather(item, store)
-
-      def Execute(self, item, args, store):
-        tf.config.experimental.reset_memory_stats(allocator)
-        before = tf.config.experimental.get_memory_info(allocator)['current']
-        start = time.perf_counter()
-        done = step.Execute(item, args, store)
-        if wait:
-          dispatch._WaitFor(done)  # pylint: disable=protected-access
-        seconds = time.perf_counter() - start
-        info = tf.config.experimental.get_memory_info(allocator)
-        records.append(ActionRecord(item[1], before, info['peak'],
-                                    info['current'], seconds))
-        return done
-
-    times = self._inline.Run(program, _Measured(), record_times)
-    self.last_tokens = self._inline.last_tokens
-    return times
 
 
 def StandInLoss(outputs, unused_targets=None):
@@ -222,9 +150,11 @@ def _Worst(steps, kind, micro_batch):
   peak and bytes kept, its shortest time."""
   found = [r for records in steps for r in records
            if r.action.kind == kind and r.action.micro_batch == micro_batch]
-  return ActionRecord(found[0].action, 0, max(r.transient for r in found),
-                      max(r.delta for r in found),
-                      min(r.seconds for r in found))
+  held = [r.held for r in found if r.held is not None]
+  return action_memory.ActionRecord(
+      found[0].action, 0, max(r.transient for r in found),
+      max(r.delta for r in found), min(r.seconds for r in found),
+      max(held) if held else None)
 
 
 def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
@@ -270,7 +200,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
     if single_threaded_calls:
       for cell in pipe.runtime.cells[0]:
         cell.single_threaded_calls = True
-    recorder = MemoryRecordingDispatcher(allocator)
+    recorder = action_memory.MemoryRecordingDispatcher(allocator)
     pipe.SetThreadsDispatcher(recorder)
     steps = []
     for i in range(_RECORDED_STEPS + 1):
@@ -290,7 +220,10 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
     gradient = 0 if is_last else result.output_gradient_bytes
     # Re-materialized, the stand-in loss's F also keeps its output gradient
     # (B0 reads it); without, B0 computes it. A pipeline receives it.
-    result.kept[mode] = max(0, forward.delta - (
+    # What F keeps is the buffers of its record (action_memory), not the
+    # allocator's difference around it, which moves between steps.
+    kept = forward.delta if forward.held is None else forward.held
+    result.kept[mode] = max(0, kept - (
         gradient if mode == memory_model.REMAT else 0))
     result.forward_peak[mode] = max(0, forward.transient - (
         gradient if mode == memory_model.REMAT else 0))

@@ -1,0 +1,119 @@
+"""What one action of a profiled step holds in memory, as it runs.
+
+A memory profile (memory_profile.py) issues a step's actions one at a time
+and reads TensorFlow's allocator around each: the bytes in use before it,
+the peak while it runs, the bytes in use after it. What a forward keeps for
+its backward is not read that way. The allocator's bytes after it less those
+before move between steps of one profile: BFC gives a request a whole free
+chunk when the chunk is under twice its size, and tensors that other code
+drops are freed while the forward runs (AmoebaNet-D's second cell of four at
+micro-batch 4: 2.3 to 2.9 MiB for 2.27 MiB of residuals; an MLP cell's once
+3.5 MiB above its residuals), and the memory model multiplies that by the
+micro-batches in flight. So a forward's record for its backward is counted
+by its buffers (tensor_buffers.HeldBytes), which do not move.
+"""
+
+import time
+
+from tfpipe.gpipe import tensor_buffers
+
+
+def _Tf():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf
+
+
+class ActionRecord:
+  """One action's bytes before, peak while running, bytes after; seconds.
+
+  `held` is, for a forward, the bytes of the buffers its record for the
+  backward (and its batch statistics) holds that did not exist before it;
+  None for other actions.
+  """
+
+  def __init__(self, action, before, peak, after, seconds, held=None):
+    self.action = action
+    self.before = before
+    self.peak = peak
+    self.after = after
+    self.seconds = seconds
+    self.held = held
+
+  @property
+  def transient(self):
+    return self.peak - self.before
+
+  @property
+  def delta(self):
+    return self.after - self.before
+
+
+def _ForwardHeld(step, item, existing):
+  """HeldBytes of what forward `item` left for its backward (its record and
+  its batch statistics), or None for a forward fused with its backward,
+  which keeps nothing of this kind."""
+  tf = _Tf()
+  r, (_, m, k) = item
+  record = step.kept.get((r, m, k))
+  if not hasattr(record, 'tensors'):
+    return None
+  return tensor_buffers.HeldBytes(list(record.tensors) + tf.nest.flatten(
+      step.stats.get((r, m, k), [])), existing)
+
+
+class MemoryRecordingDispatcher:
+  """Issues a step's actions one at a time and records each one's memory.
+
+  It speaks the dispatcher protocol of gpipe.dispatch (Run, last_tokens);
+  a pipeline uses it through `SetThreadsDispatcher` with
+  executor='threads', called eagerly, where every action is a separate
+  function call that has finished when it returns.
+  """
+
+  name = 'memory_recording'
+
+  def __init__(self, allocator='CPU:0'):
+    from tfpipe.gpipe import dispatch  # pylint: disable=g-import-not-at-top
+    self._inline = dispatch.Inline()
+    self.allocator = allocator
+    self.last_tokens = []
+    self.records = []
+
+  def Run(self, program, step, record_times=False):
+    tf = _Tf()
+    from tfpipe.gpipe import dispatch  # pylint: disable=g-import-not-at-top
+    records = self.records
+    allocator = self.allocator
+    # A GPU runs an action's kernels after the call returns: its time ends
+    # when its outputs exist. (Its memory is counted as the host allocates,
+    # in issue order, either way.)
+    wait = allocator.startswith('GPU')
+
+    class _Measured:
+      """The step, each Execute read around."""
+
+      def Gather(self, item, store):
+        return step.Gather(item, store)
+
+      def Execute(self, item, args, store):
+        forward = item[1].kind == 'F'
+        if forward:  # What exists before F: its input and its variables.
+          r, (_, _, k) = item
+          existing = tensor_buffers.Addresses(tf.nest.flatten(args) + [
+              tf.convert_to_tensor(v) for v in step.variables[(r, k)] or []])
+        tf.config.experimental.reset_memory_stats(allocator)
+        before = tf.config.experimental.get_memory_info(allocator)['current']
+        start = time.perf_counter()
+        done = step.Execute(item, args, store)
+        if wait:
+          dispatch._WaitFor(done)  # pylint: disable=protected-access
+        seconds = time.perf_counter() - start
+        info = tf.config.experimental.get_memory_info(allocator)
+        records.append(ActionRecord(
+            item[1], before, info['peak'], info['current'], seconds,
+            _ForwardHeld(step, item, existing) if forward else None))
+        return done
+
+    times = self._inline.Run(program, _Measured(), record_times)
+    self.last_tokens = self._inline.last_tokens
+    return times
