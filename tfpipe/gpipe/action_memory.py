@@ -2,15 +2,13 @@
 
 A memory profile (memory_profile.py) issues a step's actions one at a time
 and reads TensorFlow's allocator around each: the bytes in use before it,
-the peak while it runs, the bytes in use after it. What a forward keeps for
-its backward is not read that way. The allocator's bytes after it less those
-before move between steps of one profile: BFC gives a request a whole free
-chunk when the chunk is under twice its size, and tensors that other code
-drops are freed while the forward runs (AmoebaNet-D's second cell of four at
-micro-batch 4: 2.3 to 2.9 MiB for 2.27 MiB of residuals; an MLP cell's once
-3.5 MiB above its residuals), and the memory model multiplies that by the
-micro-batches in flight. So a forward's record for its backward is counted
-by its buffers (tensor_buffers.HeldBytes), which do not move.
+the peak while it runs, the bytes in use after it. For a forward it also
+counts the buffers it leaves for its backward (tensor_buffers.HeldBytes).
+The allocator's bytes after a forward less those before move between steps
+of one profile: tensors that other code makes or drops while it runs count
+too (AmoebaNet-D's second cell of four at micro-batch 4: 2.3 to 2.9 MiB for
+2.27 MiB of buffers). The buffers do not move, and bound what the forward
+keeps from below (memory_profile._Worst).
 """
 
 import time

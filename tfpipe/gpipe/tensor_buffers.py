@@ -1,11 +1,11 @@
 """The allocator bytes that a set of eager tensors holds.
 
-What a forward keeps for its backward is a set of tensors. Their bytes, not
-the allocator's bytes in use around the forward, are what stays the same
-from one step to the next (action_memory.py says why). Tensors can share a
-buffer (an Identity's output, a variable's read value), so each distinct
-buffer is counted once, found by its address, and rounded up as the
-allocator rounds.
+What a forward keeps for its backward is a set of tensors. Their bytes stay
+the same from one step to the next, where the allocator's bytes in use
+around the forward do not (action_memory.py). Tensors can share a buffer
+(an Identity's output, a variable's read value), so each distinct buffer is
+counted once, found by its address, and rounded up as the allocator
+rounds.
 
 TensorFlow is imported when first used, so that a process can import this
 module before it sets the allocator's environment variables.
