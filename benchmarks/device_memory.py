@@ -47,6 +47,7 @@ from absl import flags
 
 from benchmarks import capped_workers
 from tfpipe import network_namespace
+from tfpipe import process_exit
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('num_cells', 4, 'K: cells, one worker process each.')
@@ -138,7 +139,7 @@ def _MeasureRow():
   print('ROW' + json.dumps(peaks), flush=True)
   sys.stdout.flush()
   workers.Close()
-  os._exit(0)  # pylint: disable=protected-access
+  process_exit.ExitNow(0)
 
 
 def main(argv):
@@ -148,7 +149,7 @@ def main(argv):
   watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (
       print('watchdog: run too long; stopping.', flush=True),
       [w.Close() for w in _WORKERS],
-      os._exit(3)))  # pylint: disable=protected-access
+      process_exit.ExitNow(3)))
   watchdog.daemon = True
   watchdog.start()
   if FLAGS.measure_row:

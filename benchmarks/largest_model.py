@@ -63,6 +63,7 @@ from benchmarks import size_predictor  # pylint: disable=g-import-not-at-top
 from benchmarks import trial_workers  # pylint: disable=g-import-not-at-top
 from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
 from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
+from tfpipe import process_exit  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float('budget_mib', None, 'Memory of each emulated accelerator; '
@@ -223,7 +224,7 @@ def _RunTrial():
   sys.stdout.flush()
   if workers:
     workers.Close()
-  os._exit(0)  # pylint: disable=protected-access
+  process_exit.ExitNow(0)
 
 
 def _NaiveSteps(p, batch):
@@ -451,7 +452,7 @@ def main(argv):
   if not FLAGS.predict_only:
     _Report(results, bench_lib, time.time() - start)
   sys.stdout.flush()
-  os._exit(0)  # pylint: disable=protected-access
+  process_exit.ExitNow(0)
 
 
 def _Predict(family, predictor, smallest, log):

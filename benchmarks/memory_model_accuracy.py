@@ -55,6 +55,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 
 from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
 from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
+from tfpipe import process_exit  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('models', ['transformer_lm', 'amoebanet', 'mlp'],
@@ -467,7 +468,7 @@ def main(argv):
   if FLAGS.measure_request:
     _MeasureRequest(FLAGS.measure_request)
     sys.stdout.flush()
-    os._exit(0)  # pylint: disable=protected-access
+    process_exit.ExitNow(0)
   if FLAGS.device == 'cpu':
     if FLAGS.logical_gpu_memory_mb is not None:
       raise app.UsageError('--logical_gpu_memory_mb sets the memory of '
@@ -476,7 +477,7 @@ def main(argv):
         'benchmarks.memory_model_accuracy', sys.argv)
   watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (
       print('watchdog: run too long; stopping.', flush=True),
-      os._exit(3)))  # pylint: disable=protected-access
+      process_exit.ExitNow(3)))
   watchdog.daemon = True
   watchdog.start()
   from absl import logging  # pylint: disable=g-import-not-at-top
@@ -528,7 +529,7 @@ def main(argv):
   _Write(bench_lib, rows, profiles)
   sys.stdout.flush()
   watchdog.cancel()
-  os._exit(0)  # pylint: disable=protected-access
+  process_exit.ExitNow(0)
 
 
 if __name__ == '__main__':

@@ -63,6 +63,7 @@ from absl import logging
 from tfpipe import cluster_spec
 from tfpipe import local_cluster
 from tfpipe import network_namespace
+from tfpipe import process_exit
 from tfpipe import quiet
 
 FLAGS = flags.FLAGS
@@ -133,7 +134,7 @@ def Watchdog():
     print(f'watchdog: run exceeded {FLAGS.total_timeout_s}s; stopping.',
           flush=True)
     CHILDREN.Close()
-    os._exit(3)  # pylint: disable=protected-access
+    process_exit.ExitNow(3)
   t = threading.Timer(FLAGS.total_timeout_s, Fire)
   t.daemon = True
   t.start()
@@ -361,7 +362,7 @@ def main(argv):
     # its functions failing, one error line each.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # pylint: disable=protected-access
+    process_exit.ExitNow(0)
   CHILDREN.Close()
 
 

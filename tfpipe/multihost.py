@@ -25,7 +25,8 @@ workers:
   connects and runs until the controller ends: connecting, creating the
   remote variables and restoring a checkpoint talk to the workers too.
 * Tearing down an eager context whose workers died can hang too, so fatal
-  cluster errors end the process with `os._exit` (status EXIT_WORKER_LOST).
+  cluster errors end the process at once (process_exit.ExitNow, status
+  EXIT_WORKER_LOST).
 
 `python -m tfpipe.multihost --job=worker --task=N --cluster_spec=...` is the
 plain worker the launcher starts (the trainer's --job=worker does the same).
@@ -39,6 +40,7 @@ import threading
 
 from tfpipe import cluster_spec
 from tfpipe import device_names
+from tfpipe import process_exit
 from tfpipe import servers
 
 # Exit status of a controller that lost a worker.
@@ -297,8 +299,7 @@ class Watchdog:
 def AbortWorkerLost(message, exit_status=EXIT_WORKER_LOST):
   """Prints the message and ends the process now (no hanging teardown)."""
   print(f'ERROR: {message}', file=sys.stderr, flush=True)
-  sys.stdout.flush()
-  os._exit(exit_status)  # pylint: disable=protected-access
+  process_exit.ExitNow(exit_status)
 
 
 # Seconds a lost worker's explanation may take before the plain message is

@@ -29,6 +29,7 @@ from tfpipe import command_line
 from tfpipe import devices
 from tfpipe import memory_limit
 from tfpipe import multihost
+from tfpipe import process_exit
 from tfpipe import quiet
 from tfpipe.trainer import logdir_lock
 from tfpipe.trainer import memory_budget
@@ -430,8 +431,7 @@ def _Main(show_startup_log, watch):
           f'{p.task.pipeline.num_micro_batches} micro-batch(es).', flush=True)
     if controller:
       controller.Run(trainer.Train)
-      sys.stdout.flush()
-      os._exit(_ExitStatus(trainer))  # pylint: disable=protected-access
+      process_exit.ExitNow(_ExitStatus(trainer))
     trainer.Train()
     if trainer.stopped_by:
       sys.stdout.flush()
@@ -446,8 +446,7 @@ def _Main(show_startup_log, watch):
     status = getattr(stop, 'exit_status', 1)
     if controller:
       # Tearing down a cluster context can hang; nothing is left to save.
-      sys.stdout.flush()
-      os._exit(status)  # pylint: disable=protected-access
+      process_exit.ExitNow(status)
     return status
   sys.stdout.flush()
   return 0
