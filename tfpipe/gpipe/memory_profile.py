@@ -158,8 +158,8 @@ def _Worst(steps, kind, micro_batch):
   moves up when other tensors are made while it runs and down when they are
   freed. So a forward keeps the smallest difference of the recorded steps,
   and never less than its buffers. (Measured on the whole grid, the same
-  workers' peaks predicted from profiles run again: 144 and 143 of 162
-  configurations within 15% this way; 141, 139 and 128 with the buffers
+  workers' peaks predicted from profiles run again: 144, 143 and 148 of
+  162 configurations within 15% this way; 141, 139 and 128 with the buffers
   alone; 132 with the largest difference, the rule before.)
   """
   found = [r for records in steps for r in records
