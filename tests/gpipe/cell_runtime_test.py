@@ -159,7 +159,7 @@ def test_a_backward_adds_each_weight_gradient_as_it_is_made():
   logical CPUs, a B that returned its gradients all at once held them all:
   the memory model's peak was short by the cell's weights)."""
   for peak, weights in _ResultOf(_ACCUMULATING_PEAK):
-    # A few layers' gradients in flight (2.2-4.3 MiB of 8 MiB, more on a
-    # busy machine), not all of a B's at once on top of what remains (9.7
-    # MiB without remat, before they were imported).
-    assert peak < 0.75 * weights, (peak, weights)
+    # A few layers' gradients in flight (2.2-4.3 MiB of 8 MiB; 6.1 MiB once
+    # in a full test run on 2 busy cores), not all of a B's at once on top
+    # of what remains (9.7 MiB without remat, before they were imported).
+    assert peak < 0.9 * weights, (peak, weights)
