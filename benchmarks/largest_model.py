@@ -451,7 +451,6 @@ def main(argv):
           'layer_counts': counts, 'trials': trials})
   if not FLAGS.predict_only:
     _Report(results, bench_lib, time.time() - start)
-  sys.stdout.flush()
   process_exit.ExitNow(0)
 
 

@@ -467,7 +467,6 @@ def main(argv):
   del argv
   if FLAGS.measure_request:
     _MeasureRequest(FLAGS.measure_request)
-    sys.stdout.flush()
     process_exit.ExitNow(0)
   if FLAGS.device == 'cpu':
     if FLAGS.logical_gpu_memory_mb is not None:
@@ -527,7 +526,6 @@ def main(argv):
         f'{worst["schedule"]} {worst["remat_policy"]}); '
         f'{time.time() - start:.0f} s')
   _Write(bench_lib, rows, profiles)
-  sys.stdout.flush()
   watchdog.cancel()
   process_exit.ExitNow(0)
 

@@ -360,8 +360,6 @@ def main(argv):
     # them when it exits), and it exits without tearing down its remote
     # context. Stopped first, they would leave the context's removal of
     # its functions failing, one error line each.
-    sys.stdout.flush()
-    sys.stderr.flush()
     process_exit.ExitNow(0)
   CHILDREN.Close()
 

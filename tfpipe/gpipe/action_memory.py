@@ -11,7 +11,9 @@ too (AmoebaNet-D's second cell of four at micro-batch 4: 2.3 to 2.9 MiB for
 keeps from below (memory_profile._Worst).
 """
 
+import dataclasses
 import time
+from typing import Optional
 
 from tfpipe.gpipe import tensor_buffers
 
@@ -21,6 +23,7 @@ def _Tf():
   return tf
 
 
+@dataclasses.dataclass
 class ActionRecord:
   """One action's bytes before, peak while running, bytes after; seconds.
 
@@ -28,14 +31,12 @@ class ActionRecord:
   backward (and its batch statistics) holds that did not exist before it;
   None for other actions.
   """
-
-  def __init__(self, action, before, peak, after, seconds, held=None):
-    self.action = action
-    self.before = before
-    self.peak = peak
-    self.after = after
-    self.seconds = seconds
-    self.held = held
+  action: object
+  before: int
+  peak: int
+  after: int
+  seconds: float
+  held: Optional[int] = None
 
   @property
   def transient(self):

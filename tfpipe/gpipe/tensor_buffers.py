@@ -18,6 +18,10 @@ import numpy as np
 # BFC hands out memory in multiples of this many bytes (kMinAllocationSize).
 ALLOCATION_GRAIN = 256
 
+_CAPSULE_POINTER = ctypes.pythonapi.PyCapsule_GetPointer
+_CAPSULE_POINTER.restype = ctypes.c_void_p
+_CAPSULE_POINTER.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
 
 def _Tf():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -42,11 +46,9 @@ def BufferAddress(t):
     capsule = tf.experimental.dlpack.to_dlpack(t)
   except Exception:  # pylint: disable=broad-except
     return None  # Empty, remote, or a dtype DLPack cannot carry.
-  get = ctypes.pythonapi.PyCapsule_GetPointer
-  get.restype = ctypes.c_void_p
-  get.argtypes = [ctypes.py_object, ctypes.c_char_p]
   # A DLManagedTensor starts with its DLTensor, which starts with `data`.
-  return ctypes.c_void_p.from_address(get(capsule, b'dltensor')).value
+  return ctypes.c_void_p.from_address(
+      _CAPSULE_POINTER(capsule, b'dltensor')).value
 
 
 def Addresses(tensors):
