@@ -218,6 +218,92 @@ def test_search_runs_a_size_and_the_next_side_by_side():
       80, [66, 67, 74, 76, 79, 80, 81, 82, 90, 91], 66]
 
 
+_FAMILIES = r'''
+import json, threading, time
+from absl import flags
+from benchmarks import largest_model
+
+flags.FLAGS(['largest_model', '--budget_mib=16', '--parallel_trials=2',
+             '--configs=naive-1,pipeline-2,pipeline-4'])
+MIB = largest_model.MIB
+# Per family: MiB per size unit, the truth and the model, on K devices.
+TRUTH = {'transformer': (0.2, 0.24), 'amoebanet': (0.5, 0.45)}
+
+
+class Predictor:
+  def __init__(self, family):
+    self.true_mib, self.predicted_mib = TRUTH[family]
+    self.step = largest_model.FAMILIES[family][0]
+
+  def Peaks(self, config, size):
+    k = int(config.split('-')[1])
+    return [size * self.predicted_mib / k * MIB], [size], None
+
+  def Largest(self, config, start, scale=1.0):
+    k = int(config.split('-')[1])
+    return int(16 * k / (self.predicted_mib * scale)) // self.step * self.step
+
+
+lock = threading.Lock()
+running, log = set(), []
+
+
+def Trial(config, family, size, counts):
+  k = int(config.split('-')[1])
+  with lock:
+    running.add((family, config, size))
+    log.append(sorted(running))
+  # The amoebanet family's trials take longer, as they do.
+  time.sleep((0.08 if family == 'amoebanet' else 0.02) * k)
+  with lock:
+    running.discard((family, config, size))
+  peak = size * TRUTH[family][0] / k * MIB
+  return {'fits': peak <= 16 * MIB, 'peaks': [peak], 'seconds': 0.1 * k,
+          'params': size}
+
+
+largest_model.Trial = Trial
+predictors = {f: Predictor(f) for f in TRUTH}
+results = largest_model.RunFamilies(predictors, lambda line: None)
+# The same searches one after another, as Search runs them.
+alone = []
+for family in ('transformer', 'amoebanet'):
+  previous, scale = largest_model.FAMILIES[family][1], 1.0
+  for config in ('naive-1', 'pipeline-2', 'pipeline-4'):
+    size, trials, predicted = largest_model.Search(
+        family, config, predictors[family], previous, lambda line: None, scale)
+    previous = max(previous, size)
+    if config != 'naive-1':
+      scale = trials[size].get('measured_over_predicted', scale)
+    alone.append([family, config, size, sorted(trials)])
+print(json.dumps({
+    'together': [[r['family'], r['config'], r['size'], sorted(r['trials'])]
+                 for r in results],
+    'alone': alone, 'most_at_once': max(len(r) for r in log),
+    'families_at_once': max(len({f for f, _, _ in r}) for r in log)}))
+'''
+
+
+def test_families_share_the_slots_and_search_as_they_would_alone():
+  # Each configuration tries the sizes its search tries alone, with the
+  # same answer; at most --parallel_trials trials run at once, and the
+  # two families' trials run side by side.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, '-c', _FAMILIES],
+                        cwd=script_runner.ROOT, capture_output=True,
+                        text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.splitlines()[-1])
+  assert result['together'] == result['alone'], result
+  assert [r[:2] for r in result['together']] == [
+      [f, c] for f in ('transformer', 'amoebanet')
+      for c in ('naive-1', 'pipeline-2', 'pipeline-4')], result
+  assert all(r[2] > 0 for r in result['together']), result
+  assert result['most_at_once'] == 2, result
+  assert result['families_at_once'] == 2, result
+
+
 _WATCH = r'''
 import json, sys, time
 from benchmarks import trial_workers

@@ -16,7 +16,6 @@ for the file (this file run as a module) starts two workers of two CPU
 devices each, checks every configuration of both tests, prints one JSON line
 per check and kills the workers; each test reads its lines.
 """
-# bazel: deps=//tfpipe:local_cluster,//tfpipe:network_namespace,//tfpipe:servers
 
 import json
 import os
@@ -25,6 +24,8 @@ import sys
 import time
 
 import pytest
+
+from tests import worker_probe
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -56,14 +57,6 @@ def _Configs():
       schedule='gpipe', remat_policy='always', executor='auto', num_cells=2,
       num_devices=4, num_replicas=2)))
   return configs
-
-
-def _Serve(spec, task):
-  from tfpipe import cluster_spec  # pylint: disable=g-import-not-at-top
-  from tfpipe import servers  # pylint: disable=g-import-not-at-top
-  servers.Serve(cluster_spec.ParseClusterSpec(spec), cluster_spec.WORKER_JOB,
-                task, num_devices=_DEVICES_PER_WORKER, intra_op_threads=1,
-                inter_op_threads=2)
 
 
 def _ConstructConfigs():
@@ -216,30 +209,6 @@ def _CheckConstructs():
     print('CHECK ' + json.dumps(check), flush=True)
 
 
-def _Probe(checks):
-  """Starts the workers, runs `checks` (which print JSON lines), kills the
-  workers."""
-  # pylint: disable=g-import-not-at-top
-  from tfpipe import cluster_spec
-  from tfpipe import local_cluster
-  from tfpipe import network_namespace
-  network_namespace.EnterLoopbackNamespace(_MODULE, sys.argv)
-  children = local_cluster.ChildProcesses('remote_runtime_test')
-  try:
-    jobs = local_cluster.LocalClusterJobs(_WORKERS)
-    spec = cluster_spec.FormatClusterSpec(jobs)
-    local_cluster.StartWorkers(
-        children, jobs, lambda k: [sys.executable, '-m', _MODULE, 'worker',
-                                   spec, str(k)], 90, cwd=_REPO_ROOT,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import tensorflow as tf
-    from tfpipe import servers
-    servers.ConnectToCluster(tf.train.ClusterSpec(jobs))
-    checks()
-  finally:
-    children.Close()
-
-
 def _CheckAll():
   _CheckSchedules()
   _CheckConstructs()  # Its py_function comes last.
@@ -323,6 +292,7 @@ def test_cells_of_users_constructs_on_worker_processes_equal_one_process(
 
 if __name__ == '__main__':
   if sys.argv[1] == 'worker':
-    _Serve(sys.argv[2], int(sys.argv[3]))
+    worker_probe.Serve(sys.argv[2], int(sys.argv[3]),
+                       num_devices=_DEVICES_PER_WORKER)
   else:
-    _Probe(_CheckAll)
+    worker_probe.Probe(_MODULE, _WORKERS, _CheckAll)

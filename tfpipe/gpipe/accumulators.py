@@ -44,10 +44,13 @@ class GradientAccumulators:
     if key not in self._buffers:
       # A buffer may first be needed in a later trace of a caller's
       # tf.function (a layer unfrozen between steps), where tf.Variable is
-      # refused; a ResourceVariable made directly, out of the trace, is not.
+      # refused; one made directly, out of the trace, is not. It starts
+      # without a value: a pass's first gradient is assigned to it before
+      # anything reads it, and on a remote device an initial value cost
+      # three round trips per variable, waited for (its shape).
       with tf.init_scope(), tf.device(self.device):
-        self._buffers[key] = resource_variable_ops.ResourceVariable(
-            tf.zeros(variable.shape, variable.dtype), trainable=False,
+        self._buffers[key] = resource_variable_ops.UninitializedVariable(
+            shape=variable.shape, dtype=variable.dtype, trainable=False,
             name='grad_accumulator')
     return self._buffers[key]
 

@@ -38,6 +38,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe  # pylint: disable=g-direct-tensorflow-import
 
 from tfpipe import base_layer
+from tfpipe import deferred_stats
 from tfpipe import device_names
 from tfpipe.gpipe import accumulators
 from tfpipe.gpipe import loss as loss_lib
@@ -217,8 +218,10 @@ class CellProgram:
           parts = self._Loss(y, loss)
         forward = (parts.numerator, parts.metrics, parts.weight)
         target = [parts.numerator]
-    self._stat_layers[:] = [layer for layer, _, _ in collector.entries]
-    stats = [(count, stats) for _, count, stats in collector.entries]
+    # Batch norms' moments as one record per cell (deferred_stats).
+    entries = deferred_stats.PackMoments(collector.entries)
+    self._stat_layers[:] = [layer for layer, _, _ in entries]
+    stats = [(count, stats) for _, count, stats in entries]
     self._output_structure = (forward, stats)
     flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten((forward, stats))
             if t is not None]

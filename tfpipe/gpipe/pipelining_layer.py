@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from tfpipe import base_layer
 from tfpipe import device_names
+from tfpipe import initial_values
 from tfpipe import placement
 from tfpipe.gpipe import cell_devices
 from tfpipe.gpipe import dispatch as dispatch_lib
@@ -231,7 +232,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       cell_p = cell_p.Copy()
       if 'name' in cell_p and not cell_p.name:
         cell_p.name = f'cell{k}'
-      with tf.device(self._cell_devices[k]):
+      with tf.device(self._cell_devices[k]), initial_values.ComputedHere():
         self.cells.append(cell_p.Instantiate())
     unbound = layers_core.BindTiedEmbeddings(self.cells)
     if unbound:
@@ -283,7 +284,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def build(self, input_shape):
     shape = input_shape
     for k, cell in enumerate(self.cells):
-      with tf.device(self._cell_devices[k]):
+      with tf.device(self._cell_devices[k]), initial_values.ComputedHere():
         try:
           if not cell.built:
             cell.build(shape)

@@ -311,7 +311,9 @@ class _DeferredKerasBatchNorm:
     self._layer = weakref.ref(layer)
 
   def ApplyDeferredStats(self, records):
-    mean, variance = normalization.MergeMoments(records)
+    return self.ApplyMergedMoments(*normalization.MergeMoments(records))
+
+  def ApplyMergedMoments(self, mean, variance):
     return UpdateMovingStats(self._layer(), mean, variance)
 
 

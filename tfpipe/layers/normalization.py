@@ -19,32 +19,12 @@ step traced about 25% faster fused (benchmarks/RESULTS.md, largest_model).
 import tensorflow as tf
 
 from tfpipe import base_layer
+from tfpipe import deferred_stats
 from tfpipe.layers import core
 
 
-def MergeMoments(records):
-  """The full batch's (mean, variance) from its parts' records.
-
-  Args:
-    records: list of (count, {'mean': m, 'variance': v}), count the number
-      of elements each part reduced per channel.
-
-  Stacked, the merge is 15 ops whatever the number of parts (as a sum of
-  products, 40 at 8 parts): a deep network merges hundreds of layers per
-  step, and each op is traced (or, eagerly, a round trip to a remote
-  worker).
-  """
-  counts = tf.stack([tf.cast(c, tf.float32) for c, _ in records])
-  means = tf.stack([tf.cast(s['mean'], tf.float32) for _, s in records])
-  variances = tf.stack(
-      [tf.cast(s['variance'], tf.float32) for _, s in records])
-  weights = tf.reshape(counts / tf.reduce_sum(counts),
-                       [-1] + [1] * (means.shape.rank - 1))
-  mean = tf.reduce_sum(weights * means, axis=0)
-  # E[x^2] of each part is v + m^2; the merged variance is E[x^2] - mean^2.
-  second_moment = tf.reduce_sum(
-      weights * (variances + tf.square(means)), axis=0)
-  return mean, tf.maximum(second_moment - tf.square(mean), 0.0)
+# The merge of micro-batches' moments (deferred_stats), named here too.
+MergeMoments = deferred_stats.MergeMoments
 
 
 class BatchNormLayer(base_layer.BaseLayer):
@@ -93,7 +73,7 @@ class BatchNormLayer(base_layer.BaseLayer):
         count = tf.cast(tf.reduce_prod(tf.shape(inputs)[:-1]), tf.float32)
       collector.Add(self, {'mean': mean, 'variance': variance}, count)
     else:
-      self._UpdateMovingStats(mean, variance)
+      self.ApplyMergedMoments(mean, variance)
 
   def _Fused(self, inputs):
     """Whether `inputs` take the fused kernel: images, channels last, in a
@@ -148,9 +128,11 @@ class BatchNormLayer(base_layer.BaseLayer):
     Returns:
       The update op in graph mode, None when executing eagerly.
     """
-    return self._UpdateMovingStats(*MergeMoments(records))
+    return self.ApplyMergedMoments(*MergeMoments(records))
 
-  def _UpdateMovingStats(self, mean, variance):
+  def ApplyMergedMoments(self, mean, variance):
+    """Updates the moving averages once from the batch's (mean, variance);
+    returns the update op in graph mode, None when executing eagerly."""
     decay = self.p.decay
     dtype = self.moving_mean.dtype
     mean = tf.cast(mean, dtype)

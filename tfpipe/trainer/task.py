@@ -16,6 +16,7 @@ import tensorflow as tf
 from tfpipe import base_layer
 from tfpipe import gpipe
 from tfpipe import hyperparams
+from tfpipe import initial_values
 from tfpipe import placement
 from tfpipe.gpipe import partition
 from tfpipe.gpipe import loss as loss_lib
@@ -214,7 +215,8 @@ class BaseTask:
     self.optimizer = optimizer_lib.BuildOptimizer(
         tp.optimizer, self.learning_rate_schedule)
     # Slots exist before a checkpoint restore, so they are restored too.
-    self.optimizer.build(self.pipe.trainable_variables)
+    with initial_values.ComputedHere():
+      self.optimizer.build(self.pipe.trainable_variables)
     self._apply_step = tf.function(self._ApplyGradients)
     self._eval_step = tf.function(self._EvalStep)
 
