@@ -17,6 +17,7 @@ eagerly, a tensor the update's call converted on every step.
 """
 
 import contextlib
+import threading
 import weakref
 
 import tensorflow as tf
@@ -148,6 +149,7 @@ class MomentsGroup:
   """
 
   _groups = weakref.WeakValueDictionary()
+  _lock = threading.Lock()  # Cells may be traced from several threads.
 
   def __init__(self, members, sizes):
     self.members = list(members)  # Held: their ids key the group.
@@ -156,10 +158,11 @@ class MomentsGroup:
   @classmethod
   def Of(cls, members, sizes):
     key = tuple((id(m), n) for m, n in zip(members, sizes))
-    group = cls._groups.get(key)
-    if group is None:
-      group = cls._groups[key] = cls(members, sizes)
-    return group
+    with cls._lock:
+      group = cls._groups.get(key)
+      if group is None:
+        group = cls._groups[key] = cls(members, sizes)
+      return group
 
   def ApplyDeferredStats(self, records):
     """Merges the packed records once, then updates each member."""

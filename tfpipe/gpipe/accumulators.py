@@ -19,6 +19,8 @@ as None, as in plain TensorFlow.
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
+from tfpipe import initial_values
+
 # How a gradient is taken: the pass's only one (kept as it is), its first
 # (assigned to the buffer), or a later one (added).
 ONLY, FIRST, ADD = 'only', 'first', 'add'
@@ -44,14 +46,16 @@ class GradientAccumulators:
     if key not in self._buffers:
       # A buffer may first be needed in a later trace of a caller's
       # tf.function (a layer unfrozen between steps), where tf.Variable is
-      # refused; one made directly, out of the trace, is not. It starts
-      # without a value: a pass's first gradient is assigned to it before
-      # anything reads it, and on a remote device an initial value cost
-      # three round trips per variable, waited for (its shape).
-      with tf.init_scope(), tf.device(self.device):
-        self._buffers[key] = resource_variable_ops.UninitializedVariable(
-            shape=variable.shape, dtype=variable.dtype, trainable=False,
-            name='grad_accumulator')
+      # refused; a ResourceVariable made directly, out of the trace, is not.
+      # Its zeros are made here when the device is another process's
+      # (initial_values). Made without a value instead, the pass's first
+      # gradient became the buffer, and the Transformer's device peaked 0.3
+      # to 0.5 MiB higher (benchmarks/RESULTS.md, largest_model).
+      with tf.init_scope(), tf.device(self.device), (
+          initial_values.ComputedHere()):
+        self._buffers[key] = resource_variable_ops.ResourceVariable(
+            lambda: tf.zeros(variable.shape, variable.dtype),
+            trainable=False, name='grad_accumulator')
     return self._buffers[key]
 
   def Add(self, variables, gradients, modes):

@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import initial_values
 from tfpipe import placement
 from tfpipe.gpipe import partition
 from tfpipe.gpipe import pipelining_layer
@@ -247,7 +248,9 @@ class PipelinedModel(keras.Model):
       # Built now, eagerly, each slot next to its variable. Built lazily
       # inside the traced train_step, the slots would be lifted out of the
       # trace without their colocation and land on the default device.
-      self.optimizer.build(self.trainable_variables)
+      # On a worker's device, their zeros are made here (initial_values).
+      with initial_values.ComputedHere():
+        self.optimizer.build(self.trainable_variables)
     if given is not None:
       _CopyOptimizerState(given, self.optimizer, self.name)
     return result

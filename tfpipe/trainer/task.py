@@ -214,7 +214,8 @@ class BaseTask:
         tp.learning_rate, tp.lr_schedule)
     self.optimizer = optimizer_lib.BuildOptimizer(
         tp.optimizer, self.learning_rate_schedule)
-    # Slots exist before a checkpoint restore, so they are restored too.
+    # Slots exist before a checkpoint restore, so they are restored too. On
+    # a worker's device, their zeros are made here (initial_values).
     with initial_values.ComputedHere():
       self.optimizer.build(self.pipe.trainable_variables)
     self._apply_step = tf.function(self._ApplyGradients)
