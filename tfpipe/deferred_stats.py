@@ -9,11 +9,12 @@ collector with `base_layer.CollectDeferredStats`; layers find it with
 
 A layer whose statistics are a batch's moments (batch norm) says so with
 `ApplyMergedMoments(mean, variance)`. Inside a pipeline cell, all such
-layers' records of one micro-batch travel as three vectors (`PackMoments`)
-and are merged for all of them at once (`MomentsGroup`): AmoebaNet-D holds
+layers' records of one micro-batch travel as three vectors (`PackMoments`),
+which the step's update unpacks (`MomentsGroup`): AmoebaNet-D holds
 hundreds of batch norms, whose per-layer records were three tensors each
-per micro-batch, every one a traced op, an input of the step's update and,
-eagerly, a tensor the update's call converted on every step.
+per micro-batch, every one an output of the cell's function, an input of
+the step's update and, eagerly, a tensor the update's call converted on
+every step.
 """
 
 import contextlib
@@ -116,9 +117,7 @@ def MergeMoments(records):
 
   Args:
     records: list of (count, {'mean': m, 'variance': v}), count the number
-      of elements each part reduced per channel: a scalar, or one per
-      element of m (a MomentsGroup's packed vectors, whose layers reduce
-      different numbers of elements).
+      of elements each part reduced per channel.
 
   Stacked, the merge is 15 ops whatever the number of parts (as a sum of
   products, 40 at 8 parts): a deep network merges hundreds of layers per
@@ -129,10 +128,8 @@ def MergeMoments(records):
   means = tf.stack([tf.cast(s['mean'], tf.float32) for _, s in records])
   variances = tf.stack(
       [tf.cast(s['variance'], tf.float32) for _, s in records])
-  weights = counts / tf.reduce_sum(counts, axis=0)
-  extra = means.shape.rank - counts.shape.rank
-  if extra:
-    weights = tf.reshape(weights, counts.shape.as_list() + [1] * extra)
+  weights = tf.reshape(counts / tf.reduce_sum(counts),
+                       [-1] + [1] * (means.shape.rank - 1))
   mean = tf.reduce_sum(weights * means, axis=0)
   # E[x^2] of each part is v + m^2; the merged variance is E[x^2] - mean^2.
   second_moment = tf.reduce_sum(
@@ -165,13 +162,23 @@ class MomentsGroup:
       return group
 
   def ApplyDeferredStats(self, records):
-    """Merges the packed records once, then updates each member."""
-    mean, variance = MergeMoments(records)
-    updates = [
-        member.ApplyMergedMoments(m, v) for member, m, v in zip(
-            self.members, tf.split(mean, self.sizes),
-            tf.split(variance, self.sizes))]
-    updates = [u for u in updates if u is not None]
+    """Unpacks the records and merges each member's as it would alone.
+
+    Merged at once, the packed vectors' stacked temporaries (several times
+    M x all the cell's channels) were alive together at the step's end,
+    the update's peak: AmoebaNet-D's pipeline-8 at L=102 no longer fitted
+    its 32 MiB. One member at a time, the merge holds M x its channels.
+    """
+    parts = [(tf.unstack(counts), tf.split(stats['mean'], self.sizes),
+              tf.split(stats['variance'], self.sizes))
+             for counts, stats in records]
+    updates = []
+    for i, member in enumerate(self.members):
+      update = member.ApplyMergedMoments(*MergeMoments(
+          [(counts[i], {'mean': means[i], 'variance': variances[i]})
+           for counts, means, variances in parts]))
+      if update is not None:
+        updates.append(update)
     return tf.group(*updates) if updates and not tf.executing_eagerly() else (
         None)
 
@@ -194,9 +201,10 @@ def _Packable(layer, count, stats):
 def PackMoments(entries):
   """A cell's records [(layer, count, stats)] with the moments of every
   layer that merges them (_Packable) as one record of a MomentsGroup, in
-  the place of the first: (group, per-element counts, {'mean', 'variance'}
-  as float32 vectors). The group merges exactly what each layer's own
-  merge would. Fewer than two such records are left as they are."""
+  the place of the first: (group, the layers' counts, {'mean', 'variance'}
+  as float32 vectors, the layers' one after another). The group merges
+  exactly what each layer's own merge would. Fewer than two such records
+  are left as they are."""
   packable = [i for i, (layer, count, stats) in enumerate(entries)
               if _Packable(layer, count, stats)]
   if len(packable) < 2:
@@ -204,9 +212,7 @@ def PackMoments(entries):
   members = [entries[i] for i in packable]
   sizes = [int(stats['mean'].shape[0]) for _, _, stats in members]
   group = MomentsGroup.Of([layer for layer, _, _ in members], sizes)
-  counts = tf.repeat(
-      tf.stack([tf.cast(count, tf.float32) for _, count, _ in members]),
-      sizes)
+  counts = tf.stack([tf.cast(count, tf.float32) for _, count, _ in members])
   packed = {k: tf.concat([tf.cast(stats[k], tf.float32)
                           for _, _, stats in members], 0)
             for k in ('mean', 'variance')}
