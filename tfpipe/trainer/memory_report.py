@@ -73,7 +73,10 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
       a CPU (memory_profile.ProfileRequest.device).
     allocator_slack: whether the devices' allocators are one region from
       the start, as GPUs' and capped workers' are, and so hold the slack
-      that allocator_slack.BuildSlack measures.
+      that allocator_slack.BuildSlack measures. Not on worker processes'
+      CPUs (`single_threaded_calls`): the controller makes their variables'
+      initial values (initial_values), so no initializer's temporaries
+      leave the hole that the slack fills.
   """
   model = p.task.model.Instantiate()
   if cells is None:
@@ -88,7 +91,7 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
   request.intra_op_threads = intra_op_threads
   request.single_threaded_calls = single_threaded_calls
   request.device = device
-  request.allocator_slack = allocator_slack
+  request.allocator_slack = allocator_slack and not single_threaded_calls
   return request
 
 
