@@ -10,8 +10,9 @@ memory with a short error that names the worker, the cell and its layers,
 the limit and the prediction, and exits with EXIT_OUT_OF_MEMORY, leaving the
 plan's checkpoints as they were; when nothing fits a budget, the memory
 the planner names trains it. The plan's pieces are also checked alone:
-the micro-batch sizes profiled, and the fallback to a CPU profile when the
-GPU's fails.
+the micro-batch sizes profiled, the fallback to a CPU profile when the
+GPU's fails, and a cluster's workers profiled as worker CPUs (one op at a
+time per action, no build slack).
 """
 # bazel: deps=//params,//tfpipe:launcher,//tfpipe/trainer:__main__
 
@@ -213,3 +214,30 @@ def test_a_failed_gpu_profile_falls_back_to_the_cpu_and_says_so():
                            'and times may differ.')
   assert plan.num_partitions == 2
   assert p.task.pipeline.num_partitions == 2
+
+
+def test_a_clusters_workers_are_planned_for_as_worker_cpus(monkeypatch):
+  """A cluster's workers run each action one op at a time and hold no build
+  slack: the layers and the chosen cells are profiled that way, or the plan
+  leaves memory unused (or runs out, if ever the other way round)."""
+  from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  requests = []
+  profile = memory_report.Profile
+
+  def Recorded(request, **kwargs):
+    requests.append(request)
+    return profile(request, **kwargs)
+  monkeypatch.setattr(memory_report, 'Profile', Recorded)
+  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
+  p.task.model.Set(hidden_dim=512, num_hidden_layers=8)
+  for on_workers in (True, False):
+    del requests[:]
+    plan = auto_plan.Choose(
+        p.Copy(), planner.Devices(count=2, memory_bytes=25 * 2**20),
+        log=lambda line: None, single_threaded_calls=on_workers)
+    assert plan.num_partitions == 2
+    # The layers, then the chosen cut's cells.
+    assert len(requests) >= 2
+    assert [(r.single_threaded_calls, r.allocator_slack)
+            for r in requests] == [(on_workers, not on_workers)] * len(requests)

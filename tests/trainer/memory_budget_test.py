@@ -6,7 +6,8 @@ TensorFlow's out-of-memory warnings); --plan=auto asks for a budget and a
 device count, naming the flags; inspect_model profiles the cells on the
 pipeline's first device when it is a GPU of this process (its kernels'
 memory is not a CPU's), and on a CPU otherwise, and --plan=auto profiles
-on '/GPU:0' when it plans for this machine's GPUs (never a cluster's); the
+on '/GPU:0' when it plans for this machine's GPUs (never a cluster's, whose
+workers' CPUs it profiles as such: one op at a time, no build slack); the
 limit quoted by an out-of-memory error is the capped process's own, shared
 by its logical devices; a single process that crashes right after its
 allocator refused memory (as some TensorFlow kernels crash) still says, in
@@ -148,7 +149,8 @@ def test_plan_profiles_on_this_machines_gpu_only(monkeypatch, device_type,
   from tfpipe.trainer import auto_plan  # pylint: disable=g-import-not-at-top
   chosen = []
   monkeypatch.setattr(auto_plan, 'Choose', lambda p, devices, **kwargs: (
-      chosen.append(kwargs['profile_device'])))
+      chosen.append((kwargs['profile_device'],
+                     kwargs['single_threaded_calls']))))
   monkeypatch.setattr(devices_lib, 'ChooseDeviceType',
                       lambda *unused, **unused_kw: device_type)
   spec = 'controller=127.0.0.1:1;worker=127.0.0.1:2' if cluster else None
@@ -157,7 +159,8 @@ def test_plan_profiles_on_this_machines_gpu_only(monkeypatch, device_type,
                            job='controller' if cluster else None,
                            cluster_spec=spec):
     memory_budget.PlanIfAsked(p, FLAGS)
-  assert chosen == [expected]
+  # A cluster's cells run on its workers' CPUs, one op at a time per action.
+  assert chosen == [(expected, cluster)]
 
 
 # The trainer's start (main, before TensorFlow), then what a capped process

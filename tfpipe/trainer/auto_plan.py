@@ -72,7 +72,7 @@ def ApplyPlan(p, plan):
 
 
 def Choose(p, devices, log=print, example=None, intra_op_threads=0,
-           profile_device=None):
+           profile_device=None, single_threaded_calls=False):
   """Plans the experiment for `devices` (a planner.Devices); applies and
   returns the PipelinePlan.
 
@@ -84,7 +84,11 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
   this machine's GPUs, whose kernels' memory and time a CPU profile does
   not show. That profile runs in a subprocess, which gives the GPU back
   when it ends; if it fails, the layers are profiled on the CPU, and the
-  log says so.
+  log says so. `single_threaded_calls`: the devices are worker processes'
+  CPUs (a cluster's), whose actions are calls on the single-threaded
+  executor and whose allocators hold no build slack; the profiles then
+  measure that too (memory_report.ProfileRequest), not a bigger working set
+  that a plan would leave unused.
 
   Raises:
     planner.NoPlanError: nothing fits; its message names the smallest
@@ -98,7 +102,8 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
   profiles, profile_device = _OnDeviceOrCpu(
       lambda device: memory_report.PlannerProfiles(
           p, sizes, example, log=None, intra_op_threads=intra_op_threads,
-          device=device, in_subprocess=device is not None),
+          device=device, in_subprocess=device is not None,
+          single_threaded_calls=single_threaded_calls),
       profile_device, log)
   step = memory_report.StepConfig(p, example)
   plans = planner.CandidatePlans(
@@ -113,7 +118,8 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
         lambda device: memory_report.Profile(
             memory_report.ProfileRequest(
                 candidate, micro_batch_sizes=n, example=example,
-                intra_op_threads=intra_op_threads, device=device),
+                intra_op_threads=intra_op_threads, device=device,
+                single_threaded_calls=single_threaded_calls),
             in_subprocess=device is not None),
         profile_device, log)
     return cells

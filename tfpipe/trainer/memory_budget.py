@@ -190,12 +190,16 @@ def PlanIfAsked(p, flag_values, log=print):
       bandwidth_bytes_per_s=bandwidth * 1e6 if bandwidth else None,
       concurrent=concurrent, computing_at_once=at_once,
       headroom=flag_values.plan_headroom)
-  if multihost.ClusterFromFlags(flag_values) is not None:
+  on_workers = multihost.ClusterFromFlags(flag_values) is not None
+  if on_workers:
     # A controller drives the workers: each step pays remote calls.
     devices = plan_devices.RemoteWorkers(devices, same_host=at_once is not None)
+  # A cluster's pipeline runs on its workers' CPUs
+  # (multihost.SetUpController).
   return auto_plan.Choose(p, devices, log=log,
                           intra_op_threads=_IntraOpThreads(flag_values),
-                          profile_device=_PlanProfileDevice(flag_values))
+                          profile_device=_PlanProfileDevice(flag_values),
+                          single_threaded_calls=on_workers)
 
 
 def InspectLines(p, flag_values, devices):

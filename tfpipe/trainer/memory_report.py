@@ -216,12 +216,15 @@ def LayerCells(p):
 
 
 def PlannerProfiles(p, micro_batch_sizes, example=None, log=None,
-                    intra_op_threads=0, device=None, in_subprocess=False):
-  """gpipe.planner.LayerProfiles of the experiment's layers."""
+                    intra_op_threads=0, device=None, in_subprocess=False,
+                    single_threaded_calls=False):
+  """gpipe.planner.LayerProfiles of the experiment's layers (profiled as
+  ProfileRequest says, for devices of `single_threaded_calls`)."""
   from tfpipe.gpipe import planner  # pylint: disable=g-import-not-at-top
   request = ProfileRequest(p, cells=LayerCells(p),
                            micro_batch_sizes=micro_batch_sizes,
                            example=example, intra_op_threads=intra_op_threads,
+                           single_threaded_calls=single_threaded_calls,
                            device=device)
   profiles = Profile(request, log=log, in_subprocess=in_subprocess)
   return planner.LayerProfiles(profiles, profiles[-1])
