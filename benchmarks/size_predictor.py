@@ -57,7 +57,8 @@ class SizePredictor:
     cells = memory_report.LayerCells(p)
     model = p.task.model.Instantiate()
     shapes = memory_report.CellInputShapes(cells, model.InputShape())
-    return cells, [memory_profile.CellSignature(c, s, k == len(cells) - 1)
+    return cells, [memory_profile.CellSignature(c, s, k == len(cells) - 1,
+                                                k == 0)
                    for k, (c, s) in enumerate(zip(cells, shapes))]
 
   def _Profile(self, p, cells, indices):

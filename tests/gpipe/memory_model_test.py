@@ -4,8 +4,9 @@ Protected properties, on synthetic cells with round numbers: the resident
 part is variables, accumulators and slots; GPipe without remat keeps every
 micro-batch's activations at once and 1F1B only K-k of them (so its first
 device needs the most); remat keeps the inputs only and pays the recompute
-in B's working set; the last cell's fused F+B keeps nothing; the peak's
-breakdown adds up; profiles interpolate affinely between sizes; and a
+in B's working set; the last cell's fused F+B keeps nothing; an input
+gradient measured within a backward is not counted twice, and a received
+input that no backward reads is not kept; the peak's breakdown adds up; profiles interpolate affinely between sizes; and a
 schedule the walk does not model is refused by name.
 """
 
@@ -108,6 +109,46 @@ def test_remat_keeps_inputs_and_pays_the_recompute_in_backward():
   device1 = _Peaks(2, 'gpipe', 4, 'always')[1]
   # Cell 1 keeps its received inputs (n/8 MiB each) until its B.
   assert device1.kept_bytes <= 4 * (4 * MIB // 8)
+
+
+def test_an_input_gradient_profiled_in_the_backward_is_not_added_again():
+  """A cell that is not first hands back its input gradient. Profiled
+  computing it, B's working set holds it where it is made; a profile
+  without it (a first cell's, an older one) gets its bytes added."""
+  def Device1(included):
+    cells = [memory_model.CellProfile([dataclasses.replace(
+        _Cell(n, k == 2), includes_input_gradient=included and k > 0)
+                                       for n in (1, 8)]) for k in range(3)]
+    assert cells[1].At(4).includes_input_gradient == included
+    return memory_model.PredictPeaks(
+        cells, memory_model.StepConfig('gpipe', 1, 16, 'always'))[1]
+  without, within = Device1(False), Device1(True)
+  assert without.action == within.action == 'B0.1'
+  # The received gradient and B's working set; the input gradient (16/8
+  # MiB at n=16) only when the profile did not measure it.
+  assert within.transient_bytes == 2 * MIB + 2 * 16 * MIB
+  assert without.transient_bytes == within.transient_bytes + 2 * MIB
+
+
+def test_a_received_input_that_no_backward_reads_is_freed():
+  """Without remat, a forward keeps its input only if its record holds
+  it (kept_input); re-materialized, always. A profile that did not say
+  (kept_input empty) keeps it all."""
+  def Device1(remat, kept_input):
+    cells = [memory_model.CellProfile([dataclasses.replace(
+        _Cell(n, k == 2), kept_input=kept_input(n)) for n in (1, 8)])
+             for k in range(3)]
+    return memory_model.PredictPeaks(
+        cells, memory_model.StepConfig('gpipe', 4, 16, remat))[1]
+  held = lambda n: {'always': n * MIB // 8, 'never': n * MIB // 8}
+  freed = lambda n: {'always': n * MIB // 8, 'never': 0}
+  unknown = lambda n: {}
+  # n = 4: each input is 0.5 MiB; four micro-batches in flight at B3.1.
+  assert Device1('never', held).kept_bytes == 4 * (4 * MIB + MIB // 2)
+  assert Device1('never', unknown).kept_bytes == 4 * (4 * MIB + MIB // 2)
+  assert Device1('never', freed).kept_bytes == 4 * 4 * MIB
+  assert Device1('always', freed).kept_bytes == Device1(
+      'always', held).kept_bytes == 4 * (MIB // 2)
 
 
 def test_except_last_keeps_only_the_last_micro_batch():

@@ -3,15 +3,17 @@
 The profile runs in a subprocess with TensorFlow's counting (BFC) CPU
 allocator, as the trainer runs it. Protected properties: variables and
 Adam's slots are counted exactly; without remat a forward keeps the
-activations its backward reads, as the allocator holds them, with remat (on a cell that is not last)
-nothing beyond its input; the last cell,
-profiled with the model's loss, keeps the loss's gradient when
-re-materialized; equal cells are profiled once; a process without the
-counting allocator is told how to get one; and for worker processes' CPUs,
-whose actions are calls on the single-threaded executor, the profile's
-actions are such calls too (on the default executor an action's ops ran
-two at a time, and AmoebaNet-D's backward was predicted 60% above what its
-workers reached).
+activations its backward reads, as the allocator holds them, with remat
+(on a cell that is not last) nothing beyond its input; a forward keeps its
+input only where its backward reads it (always when re-materialized); the
+last cell, profiled with the model's loss, keeps the loss's gradient when
+re-materialized; equal cells are profiled once, the first apart, and a
+cell that is not first is measured computing its input gradient; a process
+without the counting allocator is told how to get one; and for worker
+processes' CPUs, whose actions are calls on the single-threaded executor,
+the profile's actions are such calls too (on the default executor an
+action's ops ran two at a time, and AmoebaNet-D's backward was predicted
+60% above what its workers reached).
 """
 
 import json
@@ -82,12 +84,76 @@ def test_what_a_forward_keeps_is_its_buffers(profiles):
   assert large.fused_peak > 0 and large.update_peak > 0
 
 
-def test_equal_cells_are_profiled_once_and_the_last_keeps_its_loss(profiles):
-  assert profiles[1].ToDict() == profiles[0].ToDict()
+def test_the_last_cell_keeps_its_loss_gradient(profiles):
+  # Only the first cell hands back no input gradient.
+  assert [p.At(8).includes_input_gradient for p in profiles] == [
+      False, True, True]
   last = profiles[2].At(32)
   assert last.is_last and not profiles[0].At(32).is_last
   assert 0 <= last.kept['always'] - last.output_gradient_bytes <= 1024
   assert memory_model.CellProfile.FromDict(profiles[2].ToDict()).At(32) == last
+
+
+def test_a_forward_keeps_its_input_where_its_backward_reads_it(profiles):
+  # An FC layer's weight gradient reads its input, with remat or without.
+  for p in profiles:
+    cell = p.At(32)
+    assert cell.kept_input == {'always': cell.input_bytes,
+                               'never': cell.input_bytes}
+
+
+@pytest.fixture(scope='module')
+def later_cells():
+  """One cell first and second in a pipeline, and twice a cell whose
+  backward reads its ReLU's output, not its input (none of them last)."""
+  from tfpipe import layers  # pylint: disable=g-import-not-at-top
+  from tfpipe.layers import amoeba  # pylint: disable=g-import-not-at-top
+  wide = cell_lib.FeatureExtractionLayer.Params().Set(name='wide', sub=[
+      layers.FCLayer.Params().Set(name='fc', input_dims=_WIDE,
+                                  output_dims=8)])
+  relu_first = cell_lib.FeatureExtractionLayer.Params().Set(
+      name='relu_first', sub=[amoeba.ReluConvBn.Params().Set(
+          name='rcb', in_channels=8, out_channels=8)])
+  request = memory_profile.ProfileRequest(
+      [wide, wide.Copy(), relu_first, relu_first.Copy().Set(name='again')],
+      [(None, _WIDE), (None, _WIDE), (None, 8, 8, 8), (None, 8, 8, 8)],
+      np.random.RandomState(0).normal(size=(_N, _WIDE)).astype(np.float32),
+      None, _Loss, [_N], optimizer_lib.OptimizerParams())
+  request.num_cells = 5  # None of them is last.
+  return memory_profile.ProfileInSubprocess(request, timeout_s=240)
+
+
+def test_equal_cells_are_profiled_once_the_first_apart(later_cells):
+  assert later_cells[3].ToDict() == later_cells[2].ToDict()
+  assert later_cells[1].ToDict() != later_cells[0].ToDict()
+
+
+_WIDE, _N = 8192, 64
+
+
+def test_a_later_cells_backward_is_measured_making_its_input_gradient(
+    later_cells):
+  """Only the second's backward computes d loss / d input, and its profile
+  holds it: wide in, narrow out, that gradient (2 MiB) is the backward's
+  largest tensor."""
+  first, second = [p.At(_N) for p in later_cells[:2]]
+  assert not first.includes_input_gradient and second.includes_input_gradient
+  gradient = _N * _WIDE * 4
+  assert second.input_gradient_bytes == gradient
+  for mode in ('always', 'never'):
+    grown = second.backward_peak[mode] - first.backward_peak[mode]
+    # Up to twice its bytes, as BFC gives a request a free chunk under
+    # twice its size whole; what the first's backward got that way (its
+    # weight gradient is 8 times smaller) may come off.
+    assert 0.75 * gradient <= grown <= 2 * gradient, (mode, grown)
+
+
+def test_an_input_no_backward_reads_is_not_kept(later_cells):
+  """BN(conv(relu(x))): the backward reads relu(x), so without remat the
+  received x is freed after the forward; re-materialized, x is the record."""
+  cell = later_cells[2].At(_N)
+  assert cell.includes_input_gradient
+  assert cell.kept_input == {'always': cell.input_bytes, 'never': 0}
 
 
 def test_profiling_needs_the_counting_allocator(monkeypatch):

@@ -7,7 +7,7 @@ both fit; nothing fitting is said before anything runs, with the smallest
 memory that would fit, headroom included (and that memory does fit); the
 step time counts the bubble on concurrent devices and every action on
 devices that run one at a time; a cell of several layers adds what they
-keep.
+keep (an inner input only if a backward reads it).
 """
 
 import dataclasses
@@ -52,6 +52,17 @@ def test_combined_layers_add_what_they_keep():
   assert three.kept['always'] == 0
   assert three.backward_peak['always'] > one.backward_peak['always']
   assert three.is_last
+  # An inner input that the next layer's backward does not read is not
+  # kept (its profile's kept_input); the cell's own input follows its first
+  # layer's.
+  freed = dataclasses.replace(one, kept_input={'always': MIB // 4,
+                                               'never': 0},
+                              includes_input_gradient=True)
+  cell = planner.CombineLayers([one, freed, _Layer(4, True)])
+  assert cell.kept['never'] == 3 * MIB + 4 * MIB // 16
+  assert not cell.includes_input_gradient and cell.kept_input == {}
+  assert planner.CombineLayers([freed, one]).kept_input['never'] == 0
+  assert planner.CombineLayers([freed, one]).includes_input_gradient
 
 
 def test_a_cells_allocator_slack_is_its_largest_layers():

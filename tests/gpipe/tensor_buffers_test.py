@@ -2,9 +2,10 @@
 
 Protected properties, which make a profile's "kept" bytes the same in every
 run: a buffer shared by several tensors (an Identity's output, a variable's
-read value) is counted once; buffers that existed before are left out; each
-buffer is rounded up to the allocator's 256-byte grain; values that hold no
-buffer count nothing.
+read value) is counted once; buffers that existed before are left out, and
+those of given addresses can be counted alone (what of a forward's input
+its record holds); each buffer is rounded up to the allocator's 256-byte
+grain; values that hold no buffer count nothing.
 """
 
 import tensorflow as tf
@@ -26,6 +27,14 @@ def test_buffers_that_existed_before_are_left_out():
   existing = tensor_buffers.Addresses([x, tf.convert_to_tensor(v)])
   residuals = [x, tf.convert_to_tensor(v), x * 2.0]
   assert tensor_buffers.HeldBytes(residuals, existing) == 8 * 32 * 4
+
+
+def test_only_the_buffers_at_given_addresses_can_be_counted():
+  x, other = tf.ones([8, 32]), tf.ones([16, 32])
+  inputs = tensor_buffers.Addresses([x, other])
+  record = [tf.identity(x), x * 2.0]
+  assert tensor_buffers.HeldBytes(record, among=inputs) == 8 * 32 * 4
+  assert tensor_buffers.HeldBytes([x * 2.0], among=inputs) == 0
 
 
 def test_each_buffer_is_rounded_to_the_allocators_grain():

@@ -8,7 +8,10 @@ The allocator's bytes after a forward less those before move between steps
 of one profile: tensors that other code makes or drops while it runs count
 too (AmoebaNet-D's second cell of four at micro-batch 4: 2.3 to 2.9 MiB for
 2.27 MiB of buffers). The buffers do not move, and bound what the forward
-keeps from below (memory_profile._Worst).
+keeps from below (memory_profile._Worst). Whether the record holds the
+forward's input is counted apart: a received input that it does not hold is
+freed when the forward ends (AmoebaNet-D's cells without re-materialization:
+their backward reads the ReLU's output, not the input).
 """
 
 import dataclasses
@@ -29,7 +32,8 @@ class ActionRecord:
 
   `held` is, for a forward, the bytes of the buffers its record for the
   backward (and its batch statistics) holds that did not exist before it;
-  None for other actions.
+  `held_input`, those of its input's buffers that the record holds. None
+  for other actions.
   """
   action: object
   before: int
@@ -37,6 +41,7 @@ class ActionRecord:
   after: int
   seconds: float
   held: Optional[int] = None
+  held_input: Optional[int] = None
 
   @property
   def transient(self):
@@ -47,17 +52,19 @@ class ActionRecord:
     return self.after - self.before
 
 
-def _ForwardHeld(step, item, existing):
-  """HeldBytes of what forward `item` left for its backward (its record and
-  its batch statistics), or None for a forward fused with its backward,
-  which keeps nothing of this kind."""
+def _ForwardHeld(step, item, existing, inputs):
+  """(HeldBytes of what forward `item` left for its backward (its record and
+  its batch statistics), the bytes of those at the `inputs` addresses), or
+  (None, None) for a forward fused with its backward, which keeps nothing of
+  this kind."""
   tf = _Tf()
   r, (_, m, k) = item
   record = step.kept.get((r, m, k))
   if not hasattr(record, 'tensors'):
-    return None
-  return tensor_buffers.HeldBytes(list(record.tensors) + tf.nest.flatten(
-      step.stats.get((r, m, k), [])), existing)
+    return None, None
+  held = list(record.tensors) + tf.nest.flatten(step.stats.get((r, m, k), []))
+  return (tensor_buffers.HeldBytes(held, existing),
+          tensor_buffers.HeldBytes(held, among=inputs))
 
 
 class MemoryRecordingDispatcher:
@@ -98,7 +105,8 @@ class MemoryRecordingDispatcher:
         forward = item[1].kind == 'F'
         if forward:  # What exists before F: its input and its variables.
           r, (_, _, k) = item
-          existing = tensor_buffers.Addresses(tf.nest.flatten(args) + [
+          inputs = tensor_buffers.Addresses(tf.nest.flatten(args))
+          existing = inputs | tensor_buffers.Addresses([
               tf.convert_to_tensor(v) for v in step.variables[(r, k)] or []])
         tf.config.experimental.reset_memory_stats(allocator)
         before = tf.config.experimental.get_memory_info(allocator)['current']
@@ -108,9 +116,10 @@ class MemoryRecordingDispatcher:
           dispatch._WaitFor(done)  # pylint: disable=protected-access
         seconds = time.perf_counter() - start
         info = tf.config.experimental.get_memory_info(allocator)
+        held = (_ForwardHeld(step, item, existing, inputs) if forward else
+                (None, None))
         records.append(ActionRecord(
-            item[1], before, info['peak'], info['current'], seconds,
-            _ForwardHeld(step, item, existing) if forward else None))
+            item[1], before, info['peak'], info['current'], seconds, *held))
         return done
 
     times = self._inline.Run(program, _Measured(), record_times)

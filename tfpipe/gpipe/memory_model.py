@@ -4,18 +4,20 @@ A device holds, for the whole step, its cells' variables, one gradient
 accumulator per variable and the optimizer's slots (`resident`). On top of
 that, the schedule decides what is in flight: each forward F(m, k) keeps
 what its backward B(m, k) will read (under re-materialization the cell's
-input only; without it the activations the engine keeps), and each action
-needs a working set while it runs (a re-materialized B recomputes the
-cell's activations, takes the gradient and holds the weight gradients until
-they are accumulated). So the peak is found by walking each device's action
-list, as the runtime issues it:
+input only; without it the activations the engine keeps, and the input
+only if the backward reads it), and each action needs a working set while
+it runs (a re-materialized B recomputes the cell's activations, takes the
+gradient and holds the weight gradients until they are accumulated). So
+the peak is found by walking each device's action list, as the runtime
+issues it:
 
     live = resident
     F(m, k): peak candidate  live + input + forward working set
-             then            live += input + kept(m)
+             then            live += kept input + kept(m)
     B(m, k): peak candidate  live + received output gradient + backward
-                             working set (+ the input gradient it hands back)
-             then            live -= input + kept(m)
+                             working set (the input gradient it hands back
+                             included: memory_profile measures it there)
+             then            live -= kept input + kept(m)
     the update: peak candidate  resident + the optimizer's working set
                 (clipping included)
 
@@ -48,6 +50,8 @@ SCHEDULES = ('gpipe', '1f1b', 'interleaved_1f1b')
 _RESIDENT_FIELDS = ('variable_bytes', 'other_variable_bytes',
                     'optimizer_bytes', 'allocator_slack_bytes', 'update_peak',
                     'update_s')
+# Fields of CellMemory that say how it was profiled.
+_FLAGS = ('is_last', 'includes_input_gradient')
 
 
 @dataclasses.dataclass
@@ -72,6 +76,10 @@ class CellMemory:
     input_bytes: one micro-batch's input to the cell (what a device receives
       and, re-materialized, keeps).
     input_gradient_bytes: the float part of it (the gradient B hands back).
+    kept_input: of the input, what F keeps until its B (its buffers that
+      F's record holds), keyed like `kept`: all of it re-materialized;
+      without, only what the backward reads. A received input that is not
+      kept is freed when F ends. Profiles without it keep the whole input.
     output_bytes: one micro-batch's output (what F hands on).
     output_gradient_bytes: the float part of it (the gradient B receives).
     kept: what F keeps until its B, beyond the input.
@@ -80,6 +88,11 @@ class CellMemory:
     fused_peak: F, loss and B of the last cell in one call.
     update_peak: the optimizer update's working set (clipping included).
     is_last: profiled as the last cell, with the model's loss.
+    includes_input_gradient: the actions were profiled computing the input
+      gradient, as a cell that is not first does, so B's and the fused
+      call's peaks hold it where it is made. Without (a first cell's
+      profile, or an older one), the walk adds its bytes to a later cell's
+      B.
     forward_s, backward_s, fused_s, update_s: seconds, as measured once
       while profiling (keyed like the peaks where they are dicts).
   """
@@ -90,6 +103,7 @@ class CellMemory:
   allocator_slack_bytes: int = 0
   input_bytes: int = 0
   input_gradient_bytes: int = 0
+  kept_input: Dict[str, float] = dataclasses.field(default_factory=dict)
   output_bytes: int = 0
   output_gradient_bytes: int = 0
   kept: Dict[str, float] = dataclasses.field(default_factory=dict)
@@ -98,6 +112,7 @@ class CellMemory:
   fused_peak: float = 0.0
   update_peak: float = 0.0
   is_last: bool = False
+  includes_input_gradient: bool = False
   forward_s: float = 0.0
   backward_s: Dict[str, float] = dataclasses.field(default_factory=dict)
   fused_s: float = 0.0
@@ -169,7 +184,7 @@ class CellProfile:
       name = field.name
       if name == 'micro_batch_size':
         values[name] = n
-      elif name in _RESIDENT_FIELDS or name == 'is_last':
+      elif name in _RESIDENT_FIELDS or name in _FLAGS:
         values[name] = getattr(a, name)
       else:
         values[name] = _Blend(getattr(a, name), getattr(b, name), weight)
@@ -189,7 +204,7 @@ def _Scaled(memory, factor):
   for field in dataclasses.fields(CellMemory):
     name = field.name
     value = getattr(memory, name)
-    if name in _RESIDENT_FIELDS or name in ('micro_batch_size', 'is_last'):
+    if name in _RESIDENT_FIELDS or name in ('micro_batch_size',) + _FLAGS:
       values[name] = value
     elif isinstance(value, dict):
       values[name] = {key: v * factor for key, v in value.items()}
@@ -397,7 +412,8 @@ def WalkDevice(sched, device, cell_at, step):
     c = cell_at(k, sizes[m])
     # Cell 0's input is a slice of the batch, already counted.
     received = c.input_bytes if k > 0 else 0.0
-    dx = c.input_gradient_bytes if k > 0 else 0.0
+    dx = (c.input_gradient_bytes
+          if k > 0 and not c.includes_input_gradient else 0.0)
     mode = REMAT if UsesRemat(step.remat_policy, m,
                               step.num_micro_batches) else NO_REMAT
     if k == last and m in fused:
@@ -407,7 +423,8 @@ def WalkDevice(sched, device, cell_at, step):
           walk.KeepGradients(c.variable_bytes)
     elif a.kind == schedule_lib.FORWARD:
       walk.Consider(received + c.forward_peak[mode], str(a))
-      walk.Keep((k, m), received + c.kept[mode])
+      held = c.kept_input.get(mode, received) if k > 0 else 0.0
+      walk.Keep((k, m), held + c.kept[mode])
     else:
       incoming = c.output_gradient_bytes if k < last else 0.0
       walk.Consider(incoming + c.backward_peak[mode] + dx, str(a))

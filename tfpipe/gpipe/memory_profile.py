@@ -36,6 +36,19 @@ optimizer's slots and the working set of its update (global-norm clipping
 and the step) are measured on the cell's variables with the task's own
 optimizer.
 
+A cell that is not first is profiled as it runs in a pipeline: its
+backward also computes its input's gradient (the one-cell pipeline's
+`first_cell_input_gradient`), so B's peak holds that gradient where it is
+made, and its forward keeps what that needs. What of its input a forward's
+record holds is read from the buffers' addresses (`kept_input`): a received
+input that the record does not hold is freed when the forward ends
+(AmoebaNet-D's cells without re-materialization: their backward reads the
+ReLU's output, not the input). Each alone predicted worse than neither
+(benchmarks/RESULTS.md, memory_model_accuracy): with the input gradient
+alone, AmoebaNet-D's second device without re-materialization at M=1
+counted both the gradient's partial sums and an input it no longer holds;
+with the freed input alone, that device lacked the gradient it makes.
+
 Every profile counts bytes in an allocator that has run other cells; a
 device starts empty, and a fresh one-region allocator can hold more than
 the tensors it was given (gpipe/allocator_slack.py measures that).
@@ -169,14 +182,16 @@ def _Worst(steps, kind, micro_batch):
     kept = max(max(held), min(r.delta for r in found))
   else:
     kept = max(r.delta for r in found)
+  held_input = [r.held_input for r in found if r.held_input is not None]
   return action_memory.ActionRecord(
       found[0].action, 0, max(r.transient for r in found), kept,
-      min(r.seconds for r in found), max(held) if held else None)
+      min(r.seconds for r in found), max(held) if held else None,
+      max(held_input) if held_input else None)
 
 
 def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
                 is_last, optimizer_params, clip_gradient_norm=1.0,
-                single_threaded_calls=False, device=None):
+                single_threaded_calls=False, device=None, is_first=True):
   """The CellMemory of one cell at one micro-batch size.
 
   Args:
@@ -192,6 +207,9 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
       executor, as a worker's CPU does (ProfileRequest).
     device: where the cell runs and whose allocator is read (default: this
       process's CPU).
+    is_first: whether the cell is the pipeline's first. Any other cell's
+      backward also computes the gradient of its input, which it hands
+      back; its actions are profiled doing so (see the module docstring).
 
   Returns:
     A memory_model.CellMemory.
@@ -209,6 +227,8 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
   single = _Take(inputs, n)
   result.input_bytes = Bytes(single)
   result.input_gradient_bytes = _FloatBytes(single)
+  result.includes_input_gradient = (not is_first and
+                                    result.input_gradient_bytes > 0)
   for mode in (memory_model.REMAT, memory_model.NO_REMAT):
     pipe = pipelining_layer.PipeliningLayer.Params().Set(
         name='profile', cell_tpl=[cell_params.Copy()], num_micro_batches=2,
@@ -217,6 +237,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
     if single_threaded_calls:
       for cell in pipe.runtime.cells[0]:
         cell.single_threaded_calls = True
+    pipe.runtime.first_cell_input_gradient = result.includes_input_gradient
     recorder = action_memory.MemoryRecordingDispatcher(allocator)
     pipe.SetThreadsDispatcher(recorder)
     steps = []
@@ -239,6 +260,8 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
     # (B0 reads it); without, B0 computes it. A pipeline receives it.
     result.kept[mode] = max(0, forward.delta - (
         gradient if mode == memory_model.REMAT else 0))
+    if forward.held_input is not None:
+      result.kept_input[mode] = min(forward.held_input, result.input_bytes)
     result.forward_peak[mode] = max(0, forward.transient - (
         gradient if mode == memory_model.REMAT else 0))
     result.backward_peak[mode] = max(0, backward.transient - (
@@ -303,12 +326,13 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm,
   return slots, max(0, peak), seconds
 
 
-def CellSignature(cell_params, input_shape, is_last):
+def CellSignature(cell_params, input_shape, is_last, is_first=False):
   """What makes two cells' memory equal: their layers without names or
-  seeds, their input shape, and whether the loss runs on them."""
+  seeds, their input shape, whether the loss runs on them, and whether they
+  are first (whose backward computes no input gradient)."""
   text = '\n'.join(line for line in cell_params.ToText().splitlines()
                    if not re.search(r'(^|\.)(name|random_seed) :', line))
-  return (text, repr(input_shape), bool(is_last))
+  return (text, repr(input_shape), bool(is_last), bool(is_first))
 
 
 class ProfileRequest:
@@ -389,7 +413,7 @@ def ProfileCells(request, log=None):
   last = request.num_cells - 1
   for k, cell, shape in zip(request.positions, request.cells,
                             request.input_shapes):
-    key = CellSignature(cell, shape, k == last)
+    key = CellSignature(cell, shape, k == last, k == 0)
     if key not in done:
       start = time.perf_counter()
       measurements = []
@@ -398,7 +422,7 @@ def ProfileCells(request, log=None):
         measurements.append(ProfileCell(
             cell, inputs, request.targets, request.loss_fn, n, k == last,
             request.optimizer_params, request.clip_gradient_norm,
-            request.single_threaded_calls, request.device))
+            request.single_threaded_calls, request.device, is_first=k == 0))
       done[key] = memory_model.CellProfile(measurements)
       if log:
         log(f'profiled cell {k} ({cell.name}) at micro-batch sizes '
@@ -421,7 +445,7 @@ def _AddBuildSlack(request, done, log=None):
   first_of = {}
   for i, (k, cell, shape) in enumerate(zip(request.positions, request.cells,
                                            request.input_shapes)):
-    key = CellSignature(cell, shape, k == last)
+    key = CellSignature(cell, shape, k == last, k == 0)
     first_of.setdefault(key, i)
   keys = list(first_of)
   # Room for the largest build: its variables, slots, and an initializer's

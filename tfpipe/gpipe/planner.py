@@ -127,8 +127,10 @@ def CombineLayers(layers: Sequence[memory_model.CellMemory],
   """
   first, last = layers[0], layers[-1]
   no, re = memory_model.NO_REMAT, memory_model.REMAT
-  # Activations passed between the cell's layers, which its forward keeps.
-  inner = sum(layer.input_bytes for layer in layers[1:])
+  # Activations passed between the cell's layers that its forward keeps:
+  # those a layer's backward reads.
+  inner = sum(layer.kept_input.get(no, layer.input_bytes)
+              for layer in layers[1:])
   recorded = sum(layer.kept[no] for layer in layers) + inner
   before_last = recorded - last.kept[no]
   fixed = action_seconds * (len(layers) - 1)
@@ -147,6 +149,8 @@ def CombineLayers(layers: Sequence[memory_model.CellMemory],
                                 for layer in layers),
       input_bytes=first.input_bytes,
       input_gradient_bytes=first.input_gradient_bytes,
+      kept_input=dict(first.kept_input),
+      includes_input_gradient=first.includes_input_gradient,
       output_bytes=last.output_bytes,
       output_gradient_bytes=last.output_gradient_bytes,
       kept={re: last.kept[re], no: recorded},

@@ -298,6 +298,10 @@ class PipelineRuntime:
     self._schedule_name = schedule_name
     self._remat_policy = remat_policy
     self._schedules = {}
+    # Whether a training step's first cell also computes d loss / d its
+    # input, as every other cell does: memory_profile's one-cell pipelines
+    # stand for cells anywhere in a pipeline.
+    self.first_cell_input_gradient = False
     self.cells = [
         [cell_runtime_lib.CellRuntime(cell, k, devices[k], describe_error,
                                       inline_backward=self.num_cells == 1)
@@ -365,7 +369,8 @@ class PipelineRuntime:
       are the gradients, aligned with the cells' trainable variables.
     """
     step = _Step(self, shards, training, backward=True, batch_size=batch_size,
-                 loss_fn=loss_fn)
+                 loss_fn=loss_fn,
+                 need_input_gradient=self.first_cell_input_gradient)
     step.StartBackward()
     times = dispatcher.Run(
         self._Program(shards, (schedule_lib.FORWARD, schedule_lib.BACKWARD,

@@ -56,12 +56,14 @@ def Addresses(tensors):
   return {a for a in map(BufferAddress, tensors) if a is not None}
 
 
-def HeldBytes(tensors, existing=()):
+def HeldBytes(tensors, existing=(), among=None):
   """The allocator's bytes for the distinct buffers of `tensors` that are
   not among the addresses `existing` (buffers that were there before).
 
   A tensor whose buffer has no address (see BufferAddress) is counted.
-  Other values in `tensors` (None, Python numbers) are skipped.
+  Other values in `tensors` (None, Python numbers) are skipped. With
+  `among` (addresses), only buffers at those addresses count: what of an
+  action's input its record holds, say.
   """
   tf = _Tf()
   seen = set(existing)
@@ -73,6 +75,8 @@ def HeldBytes(tensors, existing=()):
     if not size:
       continue
     address = BufferAddress(t)
+    if among is not None and address not in among:
+      continue
     if address is not None:
       if address in seen:
         continue
