@@ -28,6 +28,17 @@ step() {  # name limit command...
 # tests' unplaced variables go to GPU:0, so each kernel runs there.
 step fused_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/trainer/optimizer_test.py
 step readme 150 python3 -m tfpipe.trainer --model=lm.TinyTransformerLm --logdir=/tmp/tfpipe_lm
+# AmoebaNet-D on the GPU (needs the CUDA 12 cuDNN: stage_cudnn.sh), then the
+# LM and the MLP at K=4, whose later cells' profiles now hold their input
+# gradient and whose received inputs are kept only where a backward reads them.
+step mma_amoeba4 230 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=amoebanet \
+  --num_cells=4 --parallel=12 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_amoeba4.json
+step mma_lm4 170 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=transformer_lm \
+  --num_cells=4 --parallel=12 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_lm4.json
+step mma_mlp4 110 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=mlp \
+  --num_cells=4 --parallel=10 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_mlp4.json
+step mma_amoeba2 200 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=amoebanet \
+  --num_cells=2 --parallel=12 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_amoeba2.json
 # Each configuration in a fresh process on fresh logical GPUs of 1 GiB, 8
 # at once (memory_model_accuracy --process_per_configuration): the MLP whose
 # devices hold the allocator slack of a fresh build, then the LM.

@@ -5,12 +5,17 @@
 # it sees none). TensorFlow registers a GPU only if it can open cuDNN, cuFFT,
 # cuRAND, cuSOLVER and cuSPARSE too; those are taken from the image's CUDA 13
 # libraries, under the CUDA 12 names TensorFlow asks for where they differ.
-# That is enough for models without convolutions, FFTs or solvers (all of
-# checks.sh's); for others, carry the CUDA 12 wheels instead.
+# That is enough for models without convolutions, FFTs or solvers. For
+# convolutions (AmoebaNet-D), stage_cudnn.sh stages the CUDA 12 cuDNN as
+# B.* chunks, unpacked here beside TensorFlow and found first.
 set -u
 mkdir -p /tmp/site/compat
 if [ ! -f /tmp/site/.unpacked ]; then
   cat /tmp/gst/A.tar.xz.* | xz -dc -T0 | tar -C /tmp/site -xf - || { echo "unpacking failed"; exit 1; }
+  # The CUDA 12 cuDNN, where stage_cudnn.sh staged it (B.*: two xz streams of tar archives).
+  if ls /tmp/gst/B.tar.xz.* >/dev/null 2>&1; then
+    cat /tmp/gst/B.tar.xz.* | xz -dc -T0 | tar -C /tmp/site -xif - || { echo "unpacking cuDNN failed"; exit 1; }
+  fi
   touch /tmp/site/.unpacked && rm -rf /tmp/gst
 fi
 for pair in libcudnn.so.9:libcudnn.so.9 libcufft.so.11:libcufft.so.12 libcurand.so.10:libcurand.so.10 \

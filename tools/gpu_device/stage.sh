@@ -10,7 +10,8 @@
 # image has CUDA 13's, which install_tf.sh links under the names TensorFlow
 # opens, and none of checks.sh's models calls them (no convolution, FFT or
 # solver). With TFPIPE_DEVICE_CUDNN=1 the CUDA 12 cuDNN is carried too, for
-# convolutions such as AmoebaNet-D's (about 10 calls more).
+# convolutions such as AmoebaNet-D's (about 10 calls more); stage_cudnn.sh
+# stages it apart instead, without packing TensorFlow again (9 calls).
 #
 # Then, on the device, one call per folder, back to back (the machine stays
 # warm 30 s; a call costs about 4 s), carrying `.device-stage/A.NN.d`:
