@@ -40,6 +40,22 @@ def test_log_lines_parse_into_device_shape_and_op():
   assert out_of_memory.ParseRecords('RecvAsync is cancelled.') == []
 
 
+def test_a_records_bytes_come_from_the_allocator_else_from_its_shape():
+  record = out_of_memory.OutOfMemoryRecord
+  assert record('', '?', '?', '', '', '4B').num_bytes == 4
+  assert record('', '?', '?', '', '', '256.0KiB').num_bytes == 256 * 1024
+  assert record('', '512,512', 'float', '', '', '1.00MiB').num_bytes == 2**20
+  assert record('', '512,512', 'float', '', '', '').num_bytes == 2**20
+  assert record('', '', 'int64', '', '', '').num_bytes == 8  # a scalar
+  assert record('', '3,5', 'variant', '', '', '').num_bytes is None
+  assert record('', '?', '?', '', '', '').num_bytes is None
+  # A device is full when a request under 1% of its limit is refused.
+  assert record('', '?', '?', '', '', '4B').SmallNextTo(24)
+  assert not record('', '?', '?', '', '', '1.00MiB').SmallNextTo(24)
+  assert not record('', '?', '?', '', '', '4B').SmallNextTo(None)
+  assert not record('', '?', '?', '', '', '').SmallNextTo(24)
+
+
 def test_an_error_chain_yields_the_allocation_behind_a_cancelled_step():
   try:
     try:

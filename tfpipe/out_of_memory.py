@@ -50,6 +50,13 @@ _OOM = re.compile(r'OOM when allocating tensor with shape\[([^\]]*)\] and '
 _RAN_OUT = re.compile(r'ran out of memory trying to allocate (\S+) .*?'
                       r'requested by op ?(\S*)')
 _ALLOCATOR = re.compile(r'Allocator \((\S+)\) ran out of memory')
+# The allocator's count of a request, as TensorFlow writes it ('4B',
+# '256.0KiB', '4.00MiB').
+_HUMAN_BYTES = re.compile(r'([\d.]+)([KMGT])?i?B')
+_DTYPE_BYTES = {'float': 4, 'double': 8, 'half': 2, 'bfloat16': 2,
+                'int8': 1, 'uint8': 1, 'bool': 1, 'int16': 2, 'int32': 4,
+                'int64': 8, 'uint32': 4, 'uint64': 8, 'complex64': 8,
+                'complex128': 16}
 # A C++ warning record: absl's "W0000 00:00:..." or TensorFlow's older
 # "2024-01-02 03:04:05.678901: W ...".
 _WARNING = re.compile(r'^(W\d{4} \d+:\d+:\d+\.\d+\s+\d+ \S+:\d+\] |'
@@ -93,6 +100,34 @@ class OutOfMemoryRecord(collections.namedtuple(
   def known(self):
     """Whether anything is known of the allocation besides its failure."""
     return self.shape != '?' or bool(self.requested)
+
+  @property
+  def num_bytes(self):
+    """The failed request's bytes: the allocator's own count, else the
+    tensor's shape times its element size; None if neither is known."""
+    requested = _HUMAN_BYTES.fullmatch(self.requested or '')
+    if requested:
+      return int(float(requested.group(1)) *
+                 1024**' KMGT'.index(requested.group(2) or ' '))
+    size = _DTYPE_BYTES.get(self.dtype)
+    if size is None or self.shape == '?':
+      return None
+    try:
+      dims = [int(d) for d in self.shape.split(',') if d.strip()]
+    except ValueError:
+      return None
+    count = 1
+    for d in dims:
+      count *= d
+    return count * size
+
+  def SmallNextTo(self, limit_mb):
+    """Whether the request is under 1% of a `limit_mb` MiB device: then the
+    device was already full, and what filled it is the story, not this
+    request (a 4-byte scalar can be the one refused)."""
+    size = self.num_bytes
+    return bool(limit_mb) and size is not None and (
+        size < limit_mb * 2**20 / 100)
 
 
 def _Refusal(text):

@@ -107,6 +107,12 @@ def test_the_message_names_device_cell_limit_prediction_and_fixes():
           '--device_memory_mb.') in message
   assert message.endswith('The last good checkpoint, /l/checkpoints/ckpt-20, '
                           'is kept.')
+  assert 'already full' not in message
+  # A scalar refused: the device was full before it, which the line says.
+  small = diagnosis.Message(record._replace(shape='', requested='4B'))
+  assert ('it could not allocate a tensor of shape [] (float), 4B, for op '
+          'cell1_1/block_2/ffn/MatMul. That request is small next to the '
+          'limit: the device was already full. Its limit is 24 MiB') in small
 
 
 def test_a_lost_worker_whose_report_shows_a_refusal_ran_out_of_memory(

@@ -38,6 +38,12 @@ MIB = 2**20
 PREDICT_WITHIN_S = 20.0
 
 
+# After a refused request under 1% of the limit: the request is not what
+# to shrink.
+_ALREADY_FULL = ('That request is small next to the limit: the device was '
+                 'already full.')
+
+
 class OutOfMemoryStop(Exception):
   """A device ran out of memory; the message says which and what to do."""
 
@@ -111,6 +117,8 @@ def CrashedMessage(record):
            f'{record.Describe()}, and then crashed, as some TensorFlow '
            'kernels do when an allocation is refused, instead of failing '
            'the step.']
+  if record.SmallNextTo(limit):
+    parts.append(_ALREADY_FULL)
   if limit:
     parts.append(f'The process\'s limit is {limit} MiB '
                  f'({memory_limit.LIMIT_ENV}).')
@@ -258,6 +266,8 @@ class Diagnosis:
         where += f', which runs {found[1]}'
     parts = [where + (f': it could not allocate {record.Describe()}.'
                       if record.known else '.')]
+    if record.SmallNextTo(self.limit_mb):
+      parts.append(_ALREADY_FULL)
     if crashed:
       parts.append(f'Its worker process ({crashed}) then crashed, as some '
                    'TensorFlow kernels do when an allocation is refused, '
