@@ -326,7 +326,7 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm,
   return slots, max(0, peak), seconds
 
 
-def CellSignature(cell_params, input_shape, is_last, is_first=False):
+def CellSignature(cell_params, input_shape, is_last, is_first):
   """What makes two cells' memory equal: their layers without names or
   seeds, their input shape, whether the loss runs on them, and whether they
   are first (whose backward computes no input gradient)."""
