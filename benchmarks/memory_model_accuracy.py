@@ -86,6 +86,12 @@ flags.DEFINE_integer('worker_memory_mb', None, 'With --device=cpu: each '
                      'allocator is one region of it, as a GPU\'s is '
                      '(tfpipe.memory_limit.OpenOneRegion); uncapped workers '
                      'grow by regions.', lower_bound=1)
+flags.DEFINE_integer('gpu_profile_memory_mb', None, 'With --device=gpu: '
+                     'profile the cells on one logical GPU of this many MiB, '
+                     'one allocator region as the measured devices are, '
+                     'instead of on an allocator that grows '
+                     '(memory_profile.ProfileRequest.gpu_memory_mb).',
+                     lower_bound=1)
 flags.DEFINE_bool('process_per_configuration', True, 'With --device=gpu: '
                   'each configuration\'s step in a fresh process on K fresh '
                   'logical GPUs, as a real run\'s devices are; false: every '
@@ -220,9 +226,11 @@ def RunModelPerProcess(model, rows, log, save=None):
     k = p.task.pipeline.num_partitions
     if k not in profiles:
       start = time.time()
-      profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
-          p, micro_batch_sizes=sizes, example=example, device='/GPU:0'),
-          log=SlackLines, in_subprocess=True)
+      request = memory_report.ProfileRequest(
+          p, micro_batch_sizes=sizes, example=example, device='/GPU:0')
+      request.gpu_memory_mb = FLAGS.gpu_profile_memory_mb
+      profiles[k] = memory_report.Profile(request, log=SlackLines,
+                                          in_subprocess=True)
       log(f'{model} K={k}: profiled its cells on a GPU at micro-batch sizes '
           f'{sizes} in {time.time() - start:.0f}s')
   with concurrent.futures.ThreadPoolExecutor(FLAGS.parallel) as pool:
@@ -460,7 +468,8 @@ def _Write(bench_lib, rows, profiles):
       'flags': {name: FLAGS[name].value for name in (
           'models', 'num_cells', 'micro_batches', 'remat_policies',
           'schedules', 'measured_steps', 'tolerance', 'device',
-          'process_per_configuration', 'parallel')}})
+          'process_per_configuration', 'parallel',
+          'gpu_profile_memory_mb')}})
 
 
 def main(argv):
@@ -469,9 +478,10 @@ def main(argv):
     _MeasureRequest(FLAGS.measure_request)
     process_exit.ExitNow(0)
   if FLAGS.device == 'cpu':
-    if FLAGS.logical_gpu_memory_mb is not None:
-      raise app.UsageError('--logical_gpu_memory_mb sets the memory of '
-                           'logical GPUs; it needs --device=gpu.')
+    for name in ('logical_gpu_memory_mb', 'gpu_profile_memory_mb'):
+      if FLAGS[name].value is not None:
+        raise app.UsageError(f'--{name} sets the memory of logical GPUs; '
+                             'it needs --device=gpu.')
     network_namespace.EnterLoopbackNamespace(
         'benchmarks.memory_model_accuracy', sys.argv)
   watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (

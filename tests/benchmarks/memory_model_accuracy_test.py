@@ -62,13 +62,13 @@ def test_in_process_path_profiles_on_a_spare_device_and_reads_each():
 
 
 def test_logical_gpu_memory_needs_the_gpu_device():
-  proc = script_runner.Run('benchmarks.memory_model_accuracy',
-                           '--logical_gpu_memory_mb=100', expect_ok=False,
-                           timeout=120)
-  assert proc.returncode == 1, proc.stderr[-2000:]
-  assert '--logical_gpu_memory_mb' in proc.stderr
-  assert '--device=gpu' in proc.stderr
-  assert 'Traceback' not in proc.stderr
+  for flag in ('--logical_gpu_memory_mb', '--gpu_profile_memory_mb'):
+    proc = script_runner.Run('benchmarks.memory_model_accuracy',
+                             f'{flag}=100', expect_ok=False, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert flag in proc.stderr
+    assert '--device=gpu' in proc.stderr
+    assert 'Traceback' not in proc.stderr
 
 
 def test_gpu_device_is_refused_without_a_gpu():

@@ -70,9 +70,13 @@ def test_a_gpus_slack_is_measured_on_one_region_even_from_a_growing_profile(
   assert memory_profile.GPU_GROWTH_ENV not in slack
   assert slack.get('CUDA_VISIBLE_DEVICES') != ''
   assert slack['TF_CPU_BFC_MEM_LIMIT_IN_MB'] == '64'
-  # The profile itself grows (it must not take the whole GPU).
+  # The profile itself grows (it must not take the whole GPU), unless it is
+  # asked for one region of its own size (gpu_memory_mb), as a run's GPU is.
   assert memory_profile.SubprocessEnv(gpu, 'profile')[
       memory_profile.GPU_GROWTH_ENV] == 'true'
+  gpu.gpu_memory_mb = 2048
+  assert memory_profile.GPU_GROWTH_ENV not in memory_profile.SubprocessEnv(
+      gpu, 'profile')
   # On the CPU the slack process sees no GPU at all.
   cpu = memory_report.ProfileRequest(MlpParams(), micro_batch_sizes=[8])
   assert memory_profile.SubprocessEnv(cpu, 'slack', 64)[

@@ -367,6 +367,12 @@ class ProfileRequest:
       allocator is one region from the start (GPUs, capped workers); False
       for devices whose allocator grows by regions (uncapped CPU
       processes).
+    gpu_memory_mb: with a GPU `device`, profile on one logical GPU of this
+      many MiB, whose allocator is one region from the start, as a run's
+      GPUs are; None, on the GPU's allocator that grows (a request that
+      opens a region counts as the region, which can be larger). Growing
+      is the default until the two are compared on a GPU (RESULTS.md,
+      section GPU, "Sixth H200 run").
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -388,6 +394,7 @@ class ProfileRequest:
     self.single_threaded_calls = False
     self.device = None
     self.allocator_slack = True
+    self.gpu_memory_mb = None
 
   def Select(self, indices):
     """Keeps only the cells at these pipeline positions."""
@@ -509,6 +516,9 @@ def SubprocessEnv(request, mode, memory_mb=None):
     # A fresh GPU's allocator is one region of its memory from the start;
     # one that grows (inherited from a profiling process) holds no slack.
     env.pop(GPU_GROWTH_ENV, None)
+  elif request.device is not None and getattr(request, 'gpu_memory_mb',
+                                               None):
+    env.pop(GPU_GROWTH_ENV, None)  # One region of gpu_memory_mb (_Main).
   elif request.device is not None:
     # A GPU profile takes what it needs, not the whole GPU, and gives it
     # back when the process ends.
@@ -553,6 +563,13 @@ def _Main(argv):
   request_path, output_path = argv[1:3]
   with open(request_path, 'rb') as f:
     request = pickle.load(f)
+  if getattr(request, 'gpu_memory_mb', None) and request.device:
+    tf = _Tf()
+    gpus = tf.config.list_physical_devices('GPU')
+    if gpus:  # Before the first op: GPU:0 becomes one region of that size.
+      tf.config.set_logical_device_configuration(gpus[0], [
+          tf.config.LogicalDeviceConfiguration(
+              memory_limit=request.gpu_memory_mb)])
   result = [p.ToDict() for p in ProfileCells(
       request, log=lambda line: print(line, flush=True))]
   with open(output_path, 'wb') as f:

@@ -37,6 +37,15 @@ step mma_lm4 170 python3 -m benchmarks.memory_model_accuracy --device=gpu --mode
   --num_cells=4 --parallel=12 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_lm4.json
 step mma_mlp4 110 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=mlp \
   --num_cells=4 --parallel=10 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_mlp4.json
+# The same LM and AmoebaNet-D with the cells profiled on one logical GPU of
+# 2 GiB, one allocator region as the measured GPUs are, instead of one that
+# grows (the sixth run's M=1 rows were over-predicted by 15-24%).
+step mma_lm4_one_region 170 python3 -m benchmarks.memory_model_accuracy --device=gpu \
+  --models=transformer_lm --num_cells=4 --parallel=12 --logical_gpu_memory_mb=1024 \
+  --gpu_profile_memory_mb=2048 --output_json=$OUT/mma_lm4_one_region.json
+step mma_amoeba4_one_region 230 python3 -m benchmarks.memory_model_accuracy --device=gpu \
+  --models=amoebanet --num_cells=4 --parallel=12 --logical_gpu_memory_mb=1024 \
+  --gpu_profile_memory_mb=2048 --output_json=$OUT/mma_amoeba4_one_region.json
 step mma_amoeba2 200 python3 -m benchmarks.memory_model_accuracy --device=gpu --models=amoebanet \
   --num_cells=2 --parallel=12 --logical_gpu_memory_mb=1024 --output_json=$OUT/mma_amoeba2.json
 # Each configuration in a fresh process on fresh logical GPUs of 1 GiB, 8
