@@ -503,6 +503,12 @@ def main(argv):
     except ValueError as e:
       raise app.UsageError(str(e)) from None
     bench_lib.tf.config.set_visible_devices([], 'GPU')
+  elif FLAGS.gpu_profile_memory_mb is not None:
+    # The other GPU paths profile on a logical GPU of this process, one
+    # region already; the flag would change nothing there.
+    raise app.UsageError('--gpu_profile_memory_mb sets the GPU profile of '
+                         '--process_per_configuration, without '
+                         '--predict_from; drop it or use those.')
   elif FLAGS.device == 'gpu' and not FLAGS.predict_from:
     _, devices = bench_lib.LocalDevices(
         max(int(k) for k in FLAGS.num_cells) + 1, 'gpu',

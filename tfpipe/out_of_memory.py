@@ -33,6 +33,7 @@ that says the most (`MostTelling`).
 """
 
 import collections
+import math
 import os
 import re
 import select
@@ -113,13 +114,10 @@ class OutOfMemoryRecord(collections.namedtuple(
     if size is None or self.shape == '?':
       return None
     try:
-      dims = [int(d) for d in self.shape.split(',') if d.strip()]
+      return size * math.prod(
+          int(d) for d in self.shape.split(',') if d.strip())
     except ValueError:
       return None
-    count = 1
-    for d in dims:
-      count *= d
-    return count * size
 
   def SmallNextTo(self, limit_mb):
     """Whether the request is under 1% of a `limit_mb` MiB device: then the

@@ -66,9 +66,18 @@ def test_logical_gpu_memory_needs_the_gpu_device():
     proc = script_runner.Run('benchmarks.memory_model_accuracy',
                              f'{flag}=100', expect_ok=False, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert flag in proc.stderr
-    assert '--device=gpu' in proc.stderr
+    assert (f'{flag} sets the memory of logical GPUs; it needs --device=gpu'
+            in proc.stderr)
     assert 'Traceback' not in proc.stderr
+  # Where the GPU is profiled in this process, the flag would change nothing.
+  proc = script_runner.Run('benchmarks.memory_model_accuracy', '--device=gpu',
+                           '--noprocess_per_configuration',
+                           '--gpu_profile_memory_mb=100', expect_ok=False,
+                           timeout=120)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert ('--gpu_profile_memory_mb sets the GPU profile of '
+          '--process_per_configuration') in proc.stderr
+  assert 'Traceback' not in proc.stderr
 
 
 def test_gpu_device_is_refused_without_a_gpu():

@@ -516,13 +516,13 @@ def SubprocessEnv(request, mode, memory_mb=None):
     # A fresh GPU's allocator is one region of its memory from the start;
     # one that grows (inherited from a profiling process) holds no slack.
     env.pop(GPU_GROWTH_ENV, None)
-  elif request.device is not None and getattr(request, 'gpu_memory_mb',
-                                               None):
-    env.pop(GPU_GROWTH_ENV, None)  # One region of gpu_memory_mb (_Main).
   elif request.device is not None:
-    # A GPU profile takes what it needs, not the whole GPU, and gives it
-    # back when the process ends.
-    env[GPU_GROWTH_ENV] = 'true'
+    if request.gpu_memory_mb:
+      env.pop(GPU_GROWTH_ENV, None)  # One region of that size (_Main).
+    else:
+      # A GPU profile takes what it needs, not the whole GPU, and gives it
+      # back when the process ends.
+      env[GPU_GROWTH_ENV] = 'true'
   if request.intra_op_threads:
     env[INTRA_OP_ENV] = str(request.intra_op_threads)
   root = os.path.dirname(os.path.dirname(os.path.dirname(
@@ -563,7 +563,7 @@ def _Main(argv):
   request_path, output_path = argv[1:3]
   with open(request_path, 'rb') as f:
     request = pickle.load(f)
-  if getattr(request, 'gpu_memory_mb', None) and request.device:
+  if request.device and request.gpu_memory_mb:
     tf = _Tf()
     gpus = tf.config.list_physical_devices('GPU')
     if gpus:  # Before the first op: GPU:0 becomes one region of that size.
