@@ -71,17 +71,45 @@ def test_what_a_forward_keeps_is_its_buffers(profiles):
   activation = _DIM * 4  # One example's output of one FC layer, in bytes.
   # Without re-materialization, F keeps what its backward reads: the two
   # FC layers' activations, at least, and at most the chunks the allocator
-  # gave them, not what other tensors took while F ran (the allocator's
-  # largest difference around F, the rule before, was 36% above them here).
+  # gave them. BFC hands a request a whole free chunk under twice its size,
+  # so those chunks can take up to twice the buffers' bytes (how much
+  # depends on what happened to be free: 1.0x in a quiet run, up to 1.5x
+  # with busy cores). Which of the recorded steps counts is pinned apart,
+  # without an allocator, below.
   for n, cell in ((8, small), (32, large)):
-    assert cell.kept['never'] >= 2 * n * activation
-  assert large.kept['never'] <= 1.25 * 2 * 32 * activation + 4096
+    buffers = 2 * n * activation
+    assert buffers <= cell.kept['never'] <= 2 * buffers + 4096, (n, cell.kept)
   # Re-materialized, a cell that is not last keeps its input (counted
   # apart), a few scalars, and what the process allocated meanwhile in every
   # recorded step (up to 5.5 KiB seen, in a full test run).
   assert large.kept['always'] <= 0.5 * large.kept['never']
   assert min(large.backward_peak.values()) > 0
   assert large.fused_peak > 0 and large.update_peak > 0
+
+
+def _Record(kind, before, peak, after, held=None):
+  from tfpipe.gpipe import action_memory  # pylint: disable=g-import-not-at-top
+  from tfpipe.gpipe import schedule  # pylint: disable=g-import-not-at-top
+  return action_memory.ActionRecord(schedule.Action(kind, 0, 0), before, peak,
+                                    after, 0.1, held=held)
+
+
+def test_a_forward_keeps_its_smallest_difference_never_below_its_buffers():
+  """The allocator's difference around F moves up with tensors other
+  threads make while it runs; the smallest over the recorded steps is the
+  closest to what F keeps, and the buffers its record holds are a floor."""
+  steps = [[_Record('F', 100, 900, 700, held=500)],
+           [_Record('F', 100, 800, 650, held=500)],
+           [_Record('F', 100, 950, 800, held=500)]]
+  forward = memory_profile._Worst(steps, 'F', 0)  # pylint: disable=protected-access
+  assert forward.delta == 550  # Not 700, the largest.
+  assert forward.transient == 850  # The largest peak of the three.
+  floored = [[_Record('F', 0, 400, 300, held=450)],
+             [_Record('F', 0, 500, 400, held=450)]]
+  assert memory_profile._Worst(floored, 'F', 0).delta == 450  # pylint: disable=protected-access
+  # A fused forward holds no record: its largest difference counts.
+  fused = [[_Record('F', 0, 500, 40)], [_Record('F', 0, 500, 60)]]
+  assert memory_profile._Worst(fused, 'F', 0).delta == 60  # pylint: disable=protected-access
 
 
 def test_the_last_cell_keeps_its_loss_gradient(profiles):
