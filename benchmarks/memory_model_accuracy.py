@@ -128,15 +128,25 @@ def ExperimentParams(model):
   return p
 
 
-def _Measure(p, workers, batch, num_cells):
-  """Each worker's peak over the measured steps, on `workers` (fresh)."""
+def _Measure(p, workers, batch, num_cells, previous=None):
+  """Each worker's peak over the measured steps, on `workers` (fresh).
+
+  `previous`, the last configuration's workers, are stopped once this
+  process is no longer their controller: connecting to new workers closes
+  the contexts on the old ones, and each one already stopped logged an
+  'Unable to close remote context ... Connection refused' error.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   workers.WaitUntilServing()
   # Functions of the previous configuration (or of profiling) are removed
   # from the context when collected; collect them before the context is
   # rebuilt for new workers (TensorFlow fails on a removal in between).
   gc.collect()
-  workers.Connect()
+  try:
+    workers.Connect()
+  finally:
+    if previous:
+      previous.Close()
   p = p.Copy()
   p.task.pipeline.devices = workers.devices
   task = p.task.Instantiate()
@@ -328,24 +338,26 @@ def RunModel(model, rows, log, save=None):
   example, sizes = _ExampleAndSizes(model)
   profiles = {}
   configurations = list(_Configurations(model))
-  pending = None
+  pending = previous = None
   try:
     for i, p in enumerate(configurations):
-      pending = _RunOne(model, i, p, configurations, pending, profiles, sizes,
-                        example, rows, log)
+      pending, previous = _RunOne(model, i, p, configurations, pending,
+                                  previous, profiles, sizes, example, rows, log)
       if save:  # Each row kept as it is measured.
         save({str(k): [c.ToDict() for c in cells]
               for k, cells in profiles.items()})
   finally:
-    if pending:
-      pending.Close()
+    for workers in (pending, previous):
+      if workers:
+        workers.Close()
   return {str(k): [c.ToDict() for c in cells]
           for k, cells in profiles.items()}
 
 
-def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
-            rows, log):
-  """Measures configuration i; returns the next one's workers (started)."""
+def _RunOne(model, i, p, configurations, pending, previous, profiles, sizes,
+            example, rows, log):
+  """Measures configuration i; returns the next one's workers (started) and
+  its own (to stop once the next has connected; see _Measure)."""
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   k = p.task.pipeline.num_partitions
   if k not in profiles:
@@ -368,12 +380,15 @@ def _RunOne(model, i, p, configurations, pending, profiles, sizes, example,
         wait=False)
   start = time.time()
   try:
-    measured = _Measure(p, workers, example, k)
-  finally:
-    workers.Close()
+    measured = _Measure(p, workers, example, k, previous)
+  except BaseException:
+    for started in (workers, pending):
+      if started:
+        started.Close()
+    raise
   _AddRow(model, p, measured, time.time() - start, profiles[k], example,
           rows, log)
-  return pending
+  return pending, workers
 
 
 def _AddRow(model, p, measured, seconds, profiles, example, rows, log):
