@@ -65,11 +65,13 @@ class SizePredictor:
     """CellProfiles of the layers at `indices` of params p, in a subprocess."""
     from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
     from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
-    # The devices are capped workers, whose builds hold no allocator slack:
-    # their variables' initial values are made by the controller.
+    # The devices are capped workers, whose builds hold no allocator slack
+    # (their variables' initial values are made by the controller) and
+    # whose actions are calls on the single-threaded executor.
     request = memory_report.ProfileRequest(
         p, cells=cells, micro_batch_sizes=[1, self.batch],
         intra_op_threads=capped_workers.INTRA_OP_THREADS,
+        single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
         allocator_slack=False)
     request.Select(indices)  # Only the layers not profiled yet.
     return memory_report.Profile(request, in_subprocess=True)

@@ -48,3 +48,37 @@ def test_prefetch_profiles_each_new_layer_once_in_side_by_side_chains():
 def test_num_cells_reads_the_configuration_name():
   assert size_predictor.NumCells('naive-1') == 1
   assert size_predictor.NumCells('pipeline-8') == 8
+
+
+class _Request:
+
+  def __init__(self, *args, **kwargs):
+    self.args, self.kwargs = args, kwargs
+    self.selected = None
+
+  def Select(self, indices):
+    self.selected = indices
+
+
+def test_layers_are_profiled_as_the_capped_workers_run_them(monkeypatch):
+  """Single-threaded calls, one intra-op thread, no build slack: the
+  trials' workers' CPUs (capped_workers), not this process's executor."""
+  from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  seen = []
+  monkeypatch.setattr(memory_report, 'ProfileRequest', _Request)
+  monkeypatch.setattr(memory_report, 'Profile',
+                      lambda request, in_subprocess: seen.append(
+                          (request, in_subprocess)) or ['profile'])
+  predictor = size_predictor.SizePredictor(
+      'amoebanet', lambda line: None, step=3, smallest=3, budget_mib=16,
+      batch=8, max_size=30, parallel=1)
+  assert predictor._Profile('params', ['cell'], [0]) == ['profile']  # pylint: disable=protected-access
+  [(request, in_subprocess)] = seen
+  assert in_subprocess and request.selected == [0]
+  assert request.args == ('params',)
+  assert request.kwargs == {
+      'cells': ['cell'], 'micro_batch_sizes': [1, 8],
+      'intra_op_threads': capped_workers.INTRA_OP_THREADS,
+      'single_threaded_calls': capped_workers.SINGLE_THREADED_CALLS,
+      'allocator_slack': False}
