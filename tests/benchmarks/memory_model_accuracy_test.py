@@ -22,7 +22,8 @@ def test_each_configuration_is_measured_and_predicted(tmp_path):
   proc = script_runner.Run(
       'benchmarks.memory_model_accuracy', '--models=mlp', '--num_cells=2',
       '--micro_batches=1,2', '--remat_policies=always', '--schedules=1f1b',
-      '--measured_steps=1', f'--output_json={out}', timeout=300)
+      '--measured_steps=1', '--repeats=3', f'--output_json={out}',
+      timeout=300)
   rows = json.loads(out.read_text())['rows']
   assert [(r['num_cells'], r['num_micro_batches']) for r in rows] == [
       (2, 1), (2, 2)]
@@ -30,6 +31,15 @@ def test_each_configuration_is_measured_and_predicted(tmp_path):
     assert len(row['measured_mib']) == len(row['predicted_mib']) == 2
     assert min(row['measured_mib']) > 0
     assert abs(row['worst_error']) < 0.3, row
+    # Three runs on fresh workers; the row's peaks are their medians, and
+    # its error is against those.
+    runs = row['measured_runs']
+    assert len(runs) == 3 and all(len(run) == 2 for run in runs)
+    assert row['measured_mib'] == [sorted(v)[1] for v in zip(*runs)]
+    assert row['worst_error'] == pytest.approx(max(
+        (p / m - 1 for p, m in zip(row['predicted_mib'], row['measured_mib'])),
+        key=abs), abs=0.005)
+  assert proc.stdout.count('(median of 3 runs') == 2, proc.stdout
   # Each configuration's workers are stopped only once the next one's are
   # connected: stopped first, each logged a gRPC error as the context moved.
   assert 'Unable to close remote context' not in proc.stderr, proc.stderr
@@ -88,3 +98,17 @@ def test_logical_gpu_memory_needs_the_gpu_device():
 def test_gpu_device_is_refused_without_a_gpu():
   script_runner.AssertGpuModeRefused('benchmarks.memory_model_accuracy',
                                      '--models=mlp', '--num_cells=2')
+
+
+def test_repeats_needs_capped_workers_that_measure():
+  for args, words in (
+      (['--device=gpu'], '--repeats measures each configuration on fresh '
+       'capped workers: it needs --device=cpu'),
+      (['--predict_from=/nonexistent.json'], '--repeats measures again; '
+       '--predict_from only predicts the stored rows')):
+    proc = script_runner.Run('benchmarks.memory_model_accuracy',
+                             '--repeats=2', *args, expect_ok=False,
+                             timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert words in proc.stderr, proc.stderr[-2000:]
+    assert 'Traceback' not in proc.stderr
