@@ -161,7 +161,7 @@ def test_breakdown_adds_up_and_reads_well():
     parts = (peak.variable_bytes + peak.accumulator_bytes +
              peak.optimizer_bytes + peak.other_bytes + peak.slack_bytes +
              peak.batch_bytes + peak.gradient_bytes + peak.kept_bytes +
-             peak.transient_bytes)
+             peak.ahead_bytes + peak.transient_bytes)
     assert parts == pytest.approx(peak.peak_bytes)
     assert peak.Describe().startswith(f'{peak.peak_bytes / MIB:.1f} MiB at ')
   lines = memory_model.PeakTable(_Peaks(2, 'gpipe', 1, 'never'),
@@ -211,3 +211,50 @@ def test_interleaved_placement_sums_a_devices_cells():
   peaks = memory_model.PredictPeaks(_Profiles(4), step)
   assert [p.cells for p in peaks] == [[0, 2], [1, 3]]
   assert peaks[0].variable_bytes == 2 * MIB
+
+
+def _Ahead(schedule, m, device, num_cells=2, n=4):
+  step = memory_model.StepConfig(schedule, m, n * m, 'always')
+  sched = memory_model.MakeSchedule(step, num_cells)
+  cells = _Profiles(num_cells)
+  ahead = memory_model._InputsAhead(  # pylint: disable=protected-access
+      sched, device, lambda k, size: cells[k].At(size), [n] * m)
+  return [str(a) for a in sched.device_actions[device]], [
+      x / (n * MIB // 8) for x in ahead]
+
+
+def test_inputs_are_received_ahead_of_their_forward_as_the_order_allows():
+  """One graph's receives pull each activation as soon as it is made, so a
+  device can hold the inputs of forwards still to come: each counts from
+  the first of its actions that the schedule does not order before the
+  producer's forward (in inputs of 0.5 MiB here)."""
+  # GPipe: nothing on device 1 precedes device 0's forwards, so every later
+  # micro-batch's input may be there at F0.1 already.
+  names, ahead = _Ahead('gpipe', 4, 1)
+  assert names[:4] == ['F0.1', 'F1.1', 'F2.1', 'F3.1']
+  assert ahead == [3, 2, 1, 0, 0, 0, 0, 0]
+  # 1F1B: F2.0 comes after B0.0, which waits for B0.1 (device 1's second
+  # action), so micro-batch 2's input may arrive from the third on.
+  names, ahead = _Ahead('1f1b', 4, 1)
+  assert names == ['F0.1', 'B0.1', 'F1.1', 'B1.1', 'F2.1', 'B2.1', 'F3.1',
+                   'B3.1']
+  assert ahead == [1, 1, 1, 1, 1, 1, 0, 0]
+  # The first device receives nothing; one micro-batch has none ahead.
+  assert _Ahead('1f1b', 4, 0)[1] == [0] * 8
+  assert _Ahead('gpipe', 1, 1)[1] == [0, 0]
+
+
+def test_a_peak_holds_the_inputs_received_ahead_of_it():
+  """1F1B on two devices: the last device runs each micro-batch as one
+  fused call, and while it does, the next micro-batch's 4 MiB input may
+  already be there (every call but the last)."""
+  cells = [memory_model.CellProfile([dataclasses.replace(
+      _Cell(4, k == 1), input_bytes=4 * MIB, fused_peak=MIB,
+      includes_input_gradient=k > 0)])
+           for k in range(2)]
+  step = memory_model.StepConfig('1f1b', 4, 16, 'always')
+  last = memory_model.PredictPeaks(cells, step)[1]
+  resident = 2 * MIB + 2 * MIB  # Variables, accumulators, Adam's slots.
+  assert last.peak_bytes == resident + 4 * MIB + MIB + 4 * MIB
+  assert last.ahead_bytes == 4 * MIB and last.action == 'F0.1'
+  assert 'inputs received ahead 4.0' in last.Describe()

@@ -268,3 +268,34 @@ def test_text_timeline_shows_an_instant_action():
   dev0 = schedule_lib.TextTimeline(sched, start_times=start,
                                    end_times=end).splitlines()[0]
   assert dev0.count('B') == 3 and dev0.count('W') == 3, dev0
+
+
+@pytest.mark.parametrize('name,num_cells,placement', [
+    ('gpipe', 3, None), ('1f1b', 4, None), ('zb_h1', 3, None),
+    ('interleaved_1f1b', 4, [0, 1, 0, 1])])
+def test_latest_ancestors_are_what_every_timing_runs_first(
+    name, num_cells, placement):
+  """The vector clock of an action names, per device, the last action that
+  the schedule's dependencies and device orders put before it: checked
+  against the transitive closure, computed the slow way."""
+  sched = schedule_lib.MakeSchedule(name, num_cells, 5, placement)
+  clocks = schedule_lib.LatestAncestors(sched)
+  assert schedule_lib.LatestAncestors(sched) is clocks  # Computed once.
+  where = {a: (d, i) for d, acts in enumerate(sched.device_actions)
+           for i, a in enumerate(acts)}
+  direct = {a: set(schedule_lib.Dependencies(a, num_cells)) for a in where}
+  for a, (d, i) in where.items():
+    if i:
+      direct[a].add(sched.device_actions[d][i - 1])
+
+  def Ancestors(a, seen):
+    for b in direct[a]:
+      if b not in seen:
+        seen.add(b)
+        Ancestors(b, seen)
+    return seen
+  for a in where:
+    ancestors = Ancestors(a, set()) | {a}
+    expected = [max([where[b][1] for b in ancestors if where[b][0] == d],
+                    default=-1) for d in range(sched.num_devices)]
+    assert clocks[a] == expected, a

@@ -21,6 +21,18 @@ issues it:
     the update: peak candidate  resident + the optimizer's working set
                 (clipping included)
 
+and at every action, the inputs already received for forwards still to
+come on this device: in one graph (the executor for GPUs and worker
+processes) a receive has no inputs of its own, so it pulls each activation
+as soon as the neighbour has made it. An input counts from the first
+action that the schedule does not order before its producer's forward:
+what the devices' speeds allow, not what they did (with executor='threads'
+a device copies an input when its forward starts, and this is a bound).
+Measured on AmoebaNet-D K=4's capped workers against each device's median
+of three runs: 14 of 18 configurations within 15% with it, 12 without;
+over every stored run of the grid, the H200's included, 399 of 486 rows
+against 389 (benchmarks/RESULTS.md).
+
 The last cell's F and B run as one call when B comes right after F (the
 runtime's fused call: no recompute, nothing kept). Inputs and targets of the
 whole batch sit on the first and last devices for the step. With one
@@ -229,6 +241,7 @@ class DevicePeak:
       accumulators: accumulators.ONLY).
     in_flight: micro-batches whose forward state the device holds then.
     kept_bytes: that state: the inputs they keep and what their F kept.
+    ahead_bytes: inputs received then for forwards still to come.
     transient_bytes: the working set of the action running at the peak,
       with the gradient it received.
     action: that action ('F3.1', 'B0.2', or 'update').
@@ -245,6 +258,7 @@ class DevicePeak:
   gradient_bytes: float = 0.0
   in_flight: int = 0
   kept_bytes: float = 0.0
+  ahead_bytes: float = 0.0
   transient_bytes: float = 0.0
   action: str = ''
 
@@ -259,6 +273,7 @@ class DevicePeak:
              ('batch', self.batch_bytes),
              ('gradients', self.gradient_bytes),
              (f'{self.in_flight} micro-batch(es) in flight', self.kept_bytes),
+             ('inputs received ahead', self.ahead_bytes),
              (f'{self.action} working set', self.transient_bytes)]
     return (f'{self.peak_bytes / mib:.1f} MiB at {self.action} = ' + ' + '.join(
         f'{name} {value / mib:.1f}' for name, value in parts
@@ -342,10 +357,10 @@ class _DeviceWalk:
     self.best = None
     self.Consider(0.0, 'start')
 
-  def Consider(self, transient, action):
-    total = self.base + self.gradients + self.kept + transient
+  def Consider(self, transient, action, ahead=0.0):
+    total = self.base + self.gradients + self.kept + ahead + transient
     if self.best is None or total > self.best[0]:
-      self.best = (total, self.gradients, len(self.held), self.kept,
+      self.best = (total, self.gradients, len(self.held), self.kept, ahead,
                    transient, action)
 
   def Keep(self, key, value):
@@ -360,7 +375,7 @@ class _DeviceWalk:
 
   def Result(self):
     (self.peak.peak_bytes, self.peak.gradient_bytes, self.peak.in_flight,
-     self.peak.kept_bytes, self.peak.transient_bytes,
+     self.peak.kept_bytes, self.peak.ahead_bytes, self.peak.transient_bytes,
      self.peak.action) = self.best
     return self.peak
 
@@ -370,6 +385,25 @@ def MakeSchedule(step, num_cells):
   CheckStep(step)
   return schedule_lib.MakeSchedule(step.schedule, num_cells,
                                    step.num_micro_batches, step.device_of_cell)
+
+
+def _InputsAhead(sched, device, cell_at, sizes):
+  """Per action of the device, in its order: the bytes of inputs that may
+  have been received by then for its forwards still to come (see the
+  module docstring)."""
+  acts = sched.device_actions[device]
+  clocks = schedule_lib.LatestAncestors(sched)
+  ahead = [0.0] * len(acts)
+  for j, a in enumerate(acts):
+    if (a.kind != schedule_lib.FORWARD or a.cell == 0 or
+        sched.device_of_cell[a.cell - 1] == device):
+      continue
+    producer = schedule_lib.Action(schedule_lib.FORWARD, a.micro_batch,
+                                   a.cell - 1)
+    received = cell_at(a.cell, sizes[a.micro_batch]).input_bytes
+    for i in range(clocks[producer][device] + 1, j):
+      ahead[i] += received
+  return ahead
 
 
 def WalkDevice(sched, device, cell_at, step):
@@ -407,7 +441,8 @@ def WalkDevice(sched, device, cell_at, step):
   walk = _DeviceWalk(peak, peak.variable_bytes + peak.accumulator_bytes +
                      peak.optimizer_bytes + peak.other_bytes +
                      peak.slack_bytes + peak.batch_bytes)
-  for a in acts:
+  ahead = _InputsAhead(sched, device, cell_at, sizes)
+  for a, early in zip(acts, ahead):
     k, m = a.cell, a.micro_batch
     c = cell_at(k, sizes[m])
     # Cell 0's input is a slice of the batch, already counted.
@@ -418,16 +453,16 @@ def WalkDevice(sched, device, cell_at, step):
                               step.num_micro_batches) else NO_REMAT
     if k == last and m in fused:
       if a.kind == schedule_lib.FORWARD:
-        walk.Consider(received + c.fused_peak + dx, str(a))
+        walk.Consider(received + c.fused_peak + dx, str(a), early)
         if only:
           walk.KeepGradients(c.variable_bytes)
     elif a.kind == schedule_lib.FORWARD:
-      walk.Consider(received + c.forward_peak[mode], str(a))
+      walk.Consider(received + c.forward_peak[mode], str(a), early)
       held = c.kept_input.get(mode, received) if k > 0 else 0.0
       walk.Keep((k, m), held + c.kept[mode])
     else:
       incoming = c.output_gradient_bytes if k < last else 0.0
-      walk.Consider(incoming + c.backward_peak[mode] + dx, str(a))
+      walk.Consider(incoming + c.backward_peak[mode] + dx, str(a), early)
       walk.Free((k, m))
       if only:
         walk.KeepGradients(c.variable_bytes)

@@ -373,6 +373,34 @@ def Validate(schedule, forward_only=False):
   return order
 
 
+def LatestAncestors(schedule):
+  """{action: [per device, the index in that device's order of the last of
+  its actions that must end before `action` starts, the action itself
+  included; -1 for none]}: a vector clock per action.
+
+  An action at index i of device d must precede `a` (whatever the devices'
+  speeds) exactly when i <= LatestAncestors(schedule)[a][d]: device orders
+  are chains, so the actions of d that precede `a` are a prefix. Computed
+  once per schedule (the memory model asks for every device).
+  """
+  cached = getattr(schedule, '_latest_ancestors', None)
+  if cached is not None:
+    return cached
+  index = {a: (d, i) for d, acts in enumerate(schedule.device_actions)
+           for i, a in enumerate(acts)}
+  clocks = {}
+  for a in Validate(schedule):
+    d, i = index[a]
+    clock = [-1] * schedule.num_devices
+    previous = [schedule.device_actions[d][i - 1]] if i else []
+    for dep in Dependencies(a, schedule.num_cells) + previous:
+      clock = [max(x, y) for x, y in zip(clock, clocks[dep])]
+    clock[d] = i
+    clocks[a] = clock
+  schedule._latest_ancestors = clocks  # pylint: disable=protected-access
+  return clocks
+
+
 @dataclasses.dataclass
 class SimulationResult:
   """Predicted timing of a schedule.
