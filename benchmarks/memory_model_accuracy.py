@@ -49,7 +49,6 @@ re-run after changing it (nothing in the model is fitted to it).
 
 import gc
 import json
-import statistics
 import os
 import sys
 import threading
@@ -60,6 +59,7 @@ os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
+from benchmarks import accuracy_rows  # pylint: disable=g-import-not-at-top
 from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
 from tfpipe import network_namespace  # pylint: disable=g-import-not-at-top
 from tfpipe import process_exit  # pylint: disable=g-import-not-at-top
@@ -122,7 +122,6 @@ flags.DEFINE_bool('reprofile', False, 'With --predict_from: profile the '
                   'cells again with the current profiler instead of using '
                   'the stored profiles.')
 
-MIB = 2.0**20
 
 # name: (registered experiment, params overrides). Small enough to run the
 # whole grid on 2 cores; each has at least 4 layers to cut.
@@ -223,7 +222,7 @@ def RunModelInProcess(model, devices, rows, log, save=None):
           f'micro-batch sizes {sizes} in {time.time() - start:.0f}s')
     start = time.time()
     measured = _MeasureInProcess(p, devices[:k], example)
-    _AddRow(model, p, measured, time.time() - start, profiles[k], example,
+    _AddRun(model, p, measured, time.time() - start, profiles[k], example,
             rows, log)
     if save:
       save({str(k): [c.ToDict() for c in cells]
@@ -262,7 +261,7 @@ def RunModelPerProcess(model, rows, log, save=None):
                for p in configurations]
     for p, future in zip(configurations, futures):
       measured, seconds = future.result()
-      _AddRow(model, p, measured, seconds,
+      _AddRun(model, p, measured, seconds,
               profiles[p.task.pipeline.num_partitions], example, rows, log)
       if save:
         save({str(k): [c.ToDict() for c in cells]
@@ -407,63 +406,21 @@ def _RunOne(model, i, p, configurations, pending, previous, profiles, sizes,
 
 
 def _AddRun(model, p, measured, seconds, profiles, example, rows, log):
-  """One measured run of a configuration: its row, or (--repeats) one more
-  run of the row its earlier runs began, whose peaks are each device's
-  median and which is logged once the last run is in."""
-  if FLAGS.repeats == 1:
-    _AddRow(model, p, measured, seconds, profiles, example, rows, log)
-    return
-  runs = [round(v / MIB, 2) for v in measured]
-  row = rows[-1] if rows else None
-  if (row is None or _Key(row) != _Key(_Row(model, p)) or
-      len(row['measured_runs']) == FLAGS.repeats):
-    _AddRow(model, p, measured, seconds, profiles, example, rows,
-            lambda line: None)
-    row = rows[-1]
-    row['measured_runs'] = []
-  row['measured_runs'].append(runs)
-  row['measured_mib'] = [round(statistics.median(v), 2)
-                         for v in zip(*row['measured_runs'])]
-  row['seconds'] = round(row['seconds'] + (seconds if len(
-      row['measured_runs']) > 1 else 0), 1)
+  """One measured run of a configuration, into `rows` (accuracy_rows.AddRun:
+  with --repeats, each device's median), logged once all its runs are in."""
+  row, complete = accuracy_rows.AddRun(
+      rows, accuracy_rows.NewRow(model, p.task.pipeline, measured, seconds),
+      FLAGS.repeats)
   _Predict(row, p, profiles, example)
-  if len(row['measured_runs']) == FLAGS.repeats:
-    log(_FormatRow(row))
-
-
-def _Row(model, p):
-  """A row's configuration fields."""
-  pp = p.task.pipeline
-  return {'model': model, 'num_cells': pp.num_partitions,
-          'num_micro_batches': pp.num_micro_batches,
-          'schedule': pp.schedule, 'remat_policy': pp.remat_policy}
-
-
-def _Key(row):
-  return tuple(row[name] for name in (
-      'model', 'num_cells', 'num_micro_batches', 'schedule', 'remat_policy'))
-
-
-def _AddRow(model, p, measured, seconds, profiles, example, rows, log):
-  """Appends (and logs) one configuration's row: measured and predicted."""
-  row = dict(_Row(model, p),
-             measured_mib=[round(v / MIB, 2) for v in measured],
-             seconds=round(seconds, 1))
-  _Predict(row, p, profiles, example)
-  rows.append(row)
-  log(_FormatRow(row))
+  if complete:
+    log(accuracy_rows.FormatRow(row, FLAGS.tolerance))
 
 
 def _Predict(row, p, profiles, example):
   """Adds the memory model's prediction and its worst error to `row`."""
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
-  peaks = memory_report.PredictPeaks(p, profiles, example)
-  predicted = [d.peak_bytes / MIB for d in peaks]
-  row['predicted_mib'] = [round(v, 2) for v in predicted]
-  row['predicted_at'] = [d.Describe() for d in peaks]
-  row['worst_error'] = max(
-      (pr / me - 1 for pr, me in zip(predicted, row['measured_mib'])),
-      key=abs)
+  accuracy_rows.SetPrediction(
+      row, memory_report.PredictPeaks(p, profiles, example))
 
 
 def _ProfileAgain(base, example, by_k, log):
@@ -511,22 +468,8 @@ def PredictAgain(path, log):
       row = dict(row)
       _Predict(row, p, profiles, example)
       rows.append(row)
-      log(_FormatRow(row))
+      log(accuracy_rows.FormatRow(row, FLAGS.tolerance))
   return rows, earlier['profiles']
-
-
-def _FormatRow(row):
-  measured = ' '.join(f'{v:6.1f}' for v in row['measured_mib'])
-  predicted = ' '.join(f'{v:6.1f}' for v in row['predicted_mib'])
-  flag = '' if abs(row['worst_error']) <= FLAGS.tolerance else '  <-- outside'
-  runs = row.get('measured_runs')
-  if runs and len(runs) > 1:
-    spread = max(max(v) / min(v) - 1 for v in zip(*runs) if min(v) > 0)
-    flag += f'  (median of {len(runs)} runs; a device moved up to {spread:.0%})'
-  return (f"| {row['model']:<14} | {row['num_cells']} | "
-          f"{row['num_micro_batches']} | {row['schedule']:<5} | "
-          f"{row['remat_policy']:<11} | {measured:<27} | {predicted:<27} | "
-          f"{100 * row['worst_error']:+6.1f}% |{flag}")
 
 
 def _Write(bench_lib, rows, profiles):
@@ -591,10 +534,8 @@ def main(argv):
   start = time.time()
   rows = []
   profiles = {}
-  print('| model          | K | M | sched | remat       | measured MiB per '
-        'device     | predicted MiB per device    | worst  |')
-  print('|----------------|---|---|-------|-------------|----------------'
-        '------------|-----------------------------|--------|')
+  for line in accuracy_rows.HEADER:
+    print(line)
   log = lambda line: print(line, flush=True)
   if FLAGS.predict_from:
     rows, profiles = PredictAgain(FLAGS.predict_from, log)
