@@ -61,15 +61,29 @@ def AddRun(rows, run, repeats=1):
   return row, len(row['measured_runs']) == repeats
 
 
+def _WorstError(predicted, measured):
+  return max((pr / me - 1 for pr, me in zip(predicted, measured)), key=abs)
+
+
 def SetPrediction(row, peaks):
   """Adds the memory model's DevicePeaks, and the worst error against the
-  row's measured peaks, to `row`."""
+  row's measured peaks, to `row`.
+
+  A row of several runs also gets `largest_error`: the worst error against
+  each device's largest run, the peak a hard limit must hold (the median
+  is what the model aims at; an allocator's chunks can put one run well
+  above it).
+  """
   predicted = [d.peak_bytes / MIB for d in peaks]
   row['predicted_mib'] = [round(v, 2) for v in predicted]
   row['predicted_at'] = [d.Describe() for d in peaks]
-  row['worst_error'] = max(
-      (pr / me - 1 for pr, me in zip(predicted, row['measured_mib'])),
-      key=abs)
+  row['worst_error'] = _WorstError(predicted, row['measured_mib'])
+  runs = row.get('measured_runs')
+  if runs and len(runs) > 1:
+    row['largest_error'] = _WorstError(predicted,
+                                       [max(v) for v in zip(*runs)])
+  else:
+    row.pop('largest_error', None)
 
 
 def FormatRow(row, tolerance):
@@ -80,8 +94,28 @@ def FormatRow(row, tolerance):
   runs = row.get('measured_runs')
   if runs and len(runs) > 1:
     spread = max(max(v) / min(v) - 1 for v in zip(*runs) if min(v) > 0)
-    flag += f'  (median of {len(runs)} runs; a device moved up to {spread:.0%})'
+    flag += (f'  (median of {len(runs)} runs; a device moved up to '
+             f'{spread:.0%}')
+    if 'largest_error' in row:
+      flag += f"; against the largest {100 * row['largest_error']:+.1f}%"
+    flag += ')'
   return (f"| {row['model']:<14} | {row['num_cells']} | "
           f"{row['num_micro_batches']} | {row['schedule']:<5} | "
           f"{row['remat_policy']:<11} | {measured:<27} | {predicted:<27} | "
           f"{100 * row['worst_error']:+6.1f}% |{flag}")
+
+
+def Summary(rows, tolerance):
+  """The count of rows within `tolerance` on every device, and, when rows
+  were measured several times, the count against each device's largest
+  run."""
+  within = sum(abs(r['worst_error']) <= tolerance for r in rows)
+  text = (f'{within} of {len(rows)} configurations within '
+          f'{100 * tolerance:.0f}% on every device')
+  repeated = [r for r in rows if 'largest_error' in r]
+  if repeated:
+    largest = sum(abs(r['largest_error']) <= tolerance for r in repeated)
+    under = sum(r['largest_error'] < -tolerance for r in repeated)
+    text += (f' ({largest} of {len(repeated)} against each device\'s '
+             f'largest run, {under} under it)')
+  return text

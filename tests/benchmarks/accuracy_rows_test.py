@@ -68,5 +68,38 @@ def test_a_merged_row_says_how_far_its_devices_moved():
   accuracy_rows.SetPrediction(row, [_Peak(11.0), _Peak(20.0)])
   assert row['measured_mib'] == [11.0, 20.0]
   assert row['worst_error'] == pytest.approx(0.0)
+  # Against each device's largest run (12.0 and 20.0): 11.0 is 8.3% under.
+  assert row['largest_error'] == pytest.approx(11.0 / 12.0 - 1)
   assert accuracy_rows.FormatRow(row, 0.15).endswith(
-      '(median of 2 runs; a device moved up to 20%)')
+      '(median of 2 runs; a device moved up to 20%; against the largest '
+      '-8.3%)')
+
+
+def test_one_run_has_no_largest_error():
+  row = _Run([10.0, 20.0])
+  row['largest_error'] = 0.5  # From an earlier prediction of the row.
+  accuracy_rows.SetPrediction(row, [_Peak(10.0), _Peak(20.0)])
+  assert 'largest_error' not in row
+  assert accuracy_rows.Summary([row], 0.15) == (
+      '1 of 1 configurations within 15% on every device')
+
+
+def test_the_summary_counts_rows_against_their_largest_run():
+  rows = []
+  # Within 15% of the medians (11.0 / 20.0) but 25% under the largest
+  # first device (16.0): a hard limit set from the prediction is exceeded.
+  for peaks in ([10.0, 20.0], [11.0, 20.0], [16.0, 20.0]):
+    row, _ = accuracy_rows.AddRun(rows, _Run(peaks), repeats=3)
+  accuracy_rows.SetPrediction(row, [_Peak(12.0), _Peak(20.0)])
+  assert row['worst_error'] == pytest.approx(12.0 / 11.0 - 1)
+  assert row['largest_error'] == pytest.approx(-0.25)
+  # A second configuration, within 15% of both.
+  for peaks in ([10.0, 20.0], [10.0, 20.0], [10.5, 21.0]):
+    other, _ = accuracy_rows.AddRun(rows, _Run(peaks, micro_batches=8),
+                                    repeats=3)
+  accuracy_rows.SetPrediction(other, [_Peak(10.0), _Peak(20.0)])
+  assert accuracy_rows.Summary(rows, 0.15) == (
+      "2 of 2 configurations within 15% on every device (1 of 2 against "
+      "each device's largest run, 1 under it)")
+  assert accuracy_rows.Summary(rows, 0.30).startswith(
+      "2 of 2 configurations within 30% on every device (2 of 2 against")
