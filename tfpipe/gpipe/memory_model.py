@@ -31,7 +31,11 @@ a device copies an input when its forward starts, and this is a bound).
 Measured on AmoebaNet-D K=4's capped workers against each device's median
 of three runs: 14 of 18 configurations within 15% with it, 12 without;
 over every stored run of the grid, the H200's included, 399 of 486 rows
-against 389 (benchmarks/RESULTS.md).
+against 389; the whole grid measured after the rule was chosen, 151 of 162
+(benchmarks/RESULTS.md). Received gradients wait the same way, but how
+many depends on the devices' speeds: counted all, or timed by the profile,
+they over-predicted, so they are not counted (GPipe with remat at M>1 can
+be under-predicted on its first devices).
 
 The last cell's F and B run as one call when B comes right after F (the
 runtime's fused call: no recompute, nothing kept). Inputs and targets of the
