@@ -126,7 +126,7 @@ class CappedWorkers:
       if wait:
         self.WaitUntilServing()
     except BaseException:
-      self._children.Close()
+      self.Close()
       raise
 
   def WaitUntilServing(self):
@@ -136,7 +136,7 @@ class CappedWorkers:
       servers.WaitForTasks(self._tasks, self._timeout_s,
                            exit_status=lambda name: processes[name].poll())
     except BaseException:
-      self._children.Close()
+      self.Close()
       raise
 
   @property
@@ -194,7 +194,10 @@ class CappedWorkers:
     return out_of_memory_reports.LocalReport(name, address)
 
   def Close(self):
+    """Ends the workers; their reports go too (Refusals read them)."""
+    from tfpipe import out_of_memory_reports  # pylint: disable=g-import-not-at-top
     self._children.Close()
+    out_of_memory_reports.RemoveReports(self.jobs, keep_records=False)
 
 
 def _Main():

@@ -6,7 +6,8 @@ different workers equal the single-process run; a worker killed mid-training
 stops the controller within the watchdog's bound with an error naming the
 task and its address; a restart resumes from the checkpoint with the losses
 of an uninterrupted run; R=2 replicas x K=2 stages on 4 workers train like
-one pipeline; no process outlives its launcher, and a SIGTERM or SIGINT to
+one pipeline; no process outlives its launcher, nor does a worker's empty
+out-of-memory report, and a SIGTERM or SIGINT to
 the launcher's pid stops the whole job with status 128 + signal (SIGINT at
 once; SIGTERM after the controller has saved its step, which a restart
 resumes from, and within --stop_grace_s). The launcher keeps every server
@@ -28,11 +29,14 @@ import pytest
 
 from tests import multihost_test
 from tests import quiet_test
+from tfpipe import cluster_spec
 from tfpipe import multihost
+from tfpipe import out_of_memory_reports
 from tfpipe.trainer import train_loop
 
 _STEP_RE = re.compile(r'^step (\d+)/\d+ loss=(\S+)')
 _STARTED_RE = re.compile(r'^launcher: (?:started (.*) )?pid=(\d+)')
+_CLUSTER_RE = re.compile(r'^launcher: pid=\d+ cluster (\S+)')
 _LAUNCH_TIMEOUT_S = 240
 _DETECTION_BOUND_S = 30
 # Seconds from a signal to the launcher until it and every child are gone.
@@ -134,6 +138,15 @@ class _Launch:
       time.sleep(0.2)
     assert not alive, f'processes left behind: {alive} of {self.pids}'
 
+  def AssertNoReportLeft(self):
+    """Workers that never ran out of memory leave no report in /tmp."""
+    [spec] = [m.group(1) for m in map(_CLUSTER_RE.match, self.lines) if m]
+    jobs = cluster_spec.ParseClusterJobs(spec)
+    left = [path for k, address in enumerate(jobs[cluster_spec.WORKER_JOB])
+            if os.path.exists(path := out_of_memory_reports.ReportPath(
+                cluster_spec.WORKER_JOB, k, address))]
+    assert not left, f'reports left behind: {left}'
+
   def Text(self):
     return '\n'.join(self.lines)
 
@@ -209,6 +222,7 @@ def test_replicas_times_stages_on_four_workers(tmp_path, baseline):
   finally:
     launch.Kill()
   launch.AssertNoProcessLeft()
+  launch.AssertNoReportLeft()
   text = launch.Text()
   # Five TensorFlow processes (4 workers, the controller), and none of their
   # C++ start-up log.

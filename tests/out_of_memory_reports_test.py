@@ -2,7 +2,9 @@
 
 Protected properties: a worker's report round-trips, and outlives a crash
 that follows the allocator's refusal (as some TensorFlow kernels crash),
-which it records as such; a link planted at a report's fixed path in /tmp
+which it records as such, while a report without records leaves nothing
+in /tmp once its worker is gone (one with records stays for a launcher,
+not for a benchmark that read it); a link planted at a report's fixed path in /tmp
 is never followed, by the worker writing or the controller reading.
 """
 
@@ -11,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 from tests import out_of_memory_test
 from tests import quiet_test
@@ -85,6 +88,66 @@ def test_a_workers_report_outlives_a_crash_after_a_refused_allocation():
   finally:
     if path and os.path.exists(path):
       os.remove(path)
+
+
+# A worker that never runs out of memory, and a single process's watch left
+# running at exit.
+_CLEAN_WORKER = r'''
+import sys
+from tfpipe import out_of_memory_reports
+report = out_of_memory_reports.StartWorkerReport(
+    'worker', 0, 'worker=127.0.0.1:' + sys.argv[1], False)
+watch = out_of_memory_reports.ProcessWatch().Start()
+print(report.path, watch.path, flush=True)
+sys.stderr.write('a line of the worker\'s own\n')
+'''
+
+
+def test_reports_without_records_are_gone_once_their_log_ends():
+  port = local_cluster.FreePorts(1)[0]
+  proc = subprocess.run([sys.executable, '-c', _CLEAN_WORKER, str(port)],
+                        cwd=quiet_test.ROOT, capture_output=True, text=True,
+                        timeout=60, check=False)
+  assert proc.returncode == 0, proc.stderr
+  paths = proc.stdout.split()
+  try:
+    assert paths[0] == out_of_memory_reports.ReportPath(
+        'worker', 0, f'127.0.0.1:{port}')
+    assert paths[1].startswith(tempfile.gettempdir())
+    assert [p for p in paths if os.path.exists(p)] == []
+    assert proc.stderr.splitlines()[-1:] == ["a line of the worker's own"]
+  finally:
+    for p in paths:
+      if os.path.exists(p):
+        os.remove(p)
+
+
+def test_a_launcher_removes_its_workers_reports_except_the_evidence(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(
+      out_of_memory_reports, 'ReportPath',
+      lambda job, task, address: str(tmp_path / f'{job}-{task}.jsonl'))
+  jobs = {'worker': ['127.0.0.1:1', '127.0.0.1:2', '127.0.0.1:3'],
+          'controller': ['127.0.0.1:4']}
+  [record] = out_of_memory.ParseRecords(RAN_OUT_LINE + '\n' + OOM_LINE)
+  ran_out = out_of_memory_reports.WorkerReport('worker', 0, jobs['worker'][0])
+  ran_out._Write(record)  # pylint: disable=protected-access
+  clean = out_of_memory_reports.WorkerReport('worker', 1, jobs['worker'][1])
+  victim = tmp_path / 'victim'
+  victim.write_text('')
+  (tmp_path / 'worker-2.jsonl').symlink_to(victim)
+  out_of_memory_reports.RemoveReports(jobs)
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      'victim', 'worker-0.jsonl', 'worker-2.jsonl']
+  # A worker whose empty report went makes it again with its next record.
+  clean._Write(record)  # pylint: disable=protected-access
+  assert out_of_memory_reports.LocalReport(
+      '/job:worker/task:1', jobs['worker'][1]) == [record]
+  # A benchmark that has read its workers' reports keeps none of them.
+  out_of_memory_reports.RemoveReports(jobs, keep_records=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      'victim', 'worker-2.jsonl']
+  assert victim.exists()
 
 
 def test_a_link_at_a_reports_path_is_neither_written_through_nor_read(

@@ -49,6 +49,7 @@ from tfpipe import command_line
 from tfpipe import local_cluster
 from tfpipe import multihost
 from tfpipe import network_namespace
+from tfpipe import out_of_memory_reports
 
 flags.DEFINE_integer('num_workers', 2, 'Worker processes to start.')
 multihost.DefineFlags(controller_flags=False)
@@ -220,6 +221,7 @@ def Launch(controller_args):
     return _Supervise(controller, workers)
   finally:
     children.Close()
+    out_of_memory_reports.RemoveReports(jobs)
 
 
 def _Supervise(controller, workers):

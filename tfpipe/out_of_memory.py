@@ -240,11 +240,13 @@ class StderrWatch:
   allocator's refusal, the process crashed, and `on_crash` gets the record.
   """
 
-  def __init__(self, hide_warnings=True, on_record=None, on_crash=None):
+  def __init__(self, hide_warnings=True, on_record=None, on_crash=None,
+               on_end=None):
     self.hide_warnings = hide_warnings
     self.records = []
     self._on_record = on_record
     self._on_crash = on_crash
+    self._on_end = on_end  # Called once the log has ended, by its reader.
     self._saved = None
     self._thread = None
     self._child = None
@@ -358,6 +360,8 @@ class StderrWatch:
       if self._on_crash:
         self._on_crash(record)
     os.close(self._read)
+    if self._on_end:
+      self._on_end()
 
   def _Keep(self, record):
     with self._lock:

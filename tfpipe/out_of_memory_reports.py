@@ -17,7 +17,12 @@ starts, which outlives the process it watches (`RecordFile`):
 
 A report's fixed path is in /tmp, where anyone can write, so it is opened
 only as a regular file of this user, never through a link
-(`_OpenOwnFile`).
+(`_OpenOwnFile`). A report that holds no record is removed when its log
+ends (by its reader) or when its workers are gone (`RemoveReports`, by a
+launcher, whose SIGKILL to a worker's process group ends the reader too),
+so a run that never ran out of memory leaves nothing in /tmp; one
+that holds records stays, as the evidence its controller reads, until the
+next worker at that address starts.
 """
 
 import atexit
@@ -70,6 +75,7 @@ class RecordFile:
   def __init__(self, path, hide_warnings=True, on_crash=None,
                who='this worker'):
     self.path = path
+    self._wrote = False
     try:
       fd = _OpenOwnFile(self.path, os.O_WRONLY | os.O_CREAT)
       os.ftruncate(fd, 0)  # A record of an earlier run would mislead.
@@ -79,7 +85,8 @@ class RecordFile:
             file=sys.stderr, flush=True)
       self.path = None
     self.watch = out_of_memory.StderrWatch(
-        hide_warnings, on_record=self._Write, on_crash=on_crash)
+        hide_warnings, on_record=self._Write, on_crash=on_crash,
+        on_end=self._Ended)
     self._in_child = False
 
   def _Write(self, record):
@@ -87,13 +94,20 @@ class RecordFile:
       return
     line = json.dumps({**record._asdict(), 'time': time.time()}) + '\n'
     try:
-      fd = _OpenOwnFile(self.path, os.O_WRONLY | os.O_APPEND)
+      # Made again if it went while empty (RemoveReports).
+      fd = _OpenOwnFile(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
       try:
         os.write(fd, line.encode('utf-8'))
+        self._wrote = True
       finally:
         os.close(fd)
     except OSError:
       pass
+
+  def _Ended(self):
+    """The log ended (in its reader): a report without records goes."""
+    if self.path and not self._wrote:
+      _RemoveOwn(self.path)
 
   def Start(self):
     """Starts watching; a watch on a thread writes out what it holds at
@@ -142,6 +156,11 @@ class ProcessWatch(RecordFile):
     super().__init__(path, hide_warnings, on_crash=Crashed,
                      who='this process')
 
+  def _Ended(self):
+    # Only this process read it, while it ran: whatever it holds goes.
+    if self.path:
+      _Remove(self.path)
+
   def Stop(self):
     super().Stop()
     if self.path:
@@ -153,6 +172,31 @@ def _Remove(path):
     os.remove(path)
   except OSError:
     pass
+
+
+def _RemoveOwn(path, only_empty=True):
+  """Removes `path` if it is a regular file of this user's (a link or
+  another user's file stays), and with `only_empty` if it is empty. A
+  worker that still writes to it makes it again with its next record."""
+  try:
+    st = os.lstat(path)
+  except OSError:
+    return
+  if (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and
+      (st.st_size == 0 or not only_empty)):
+    _Remove(path)
+
+
+def RemoveReports(jobs, keep_records=True):
+  """Removes the reports of the workers of `jobs` ({job: [address]}) on
+  this host, once they are gone: a launcher keeps those with records, as
+  the evidence; a benchmark that has read them (Refusals) keeps none."""
+  from tfpipe import cluster_spec  # pylint: disable=g-import-not-at-top
+  for job, addresses in jobs.items():
+    if job == cluster_spec.CONTROLLER_JOB:
+      continue
+    for task, address in enumerate(addresses):
+      _RemoveOwn(ReportPath(job, task, address), only_empty=keep_records)
 
 
 def StartWorkerReport(job, task, cluster_spec_text, show_all,

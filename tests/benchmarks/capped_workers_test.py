@@ -6,7 +6,8 @@ TensorFlow's out-of-memory error naming that worker, while the other
 worker, and the one that failed, go on working; each worker's peak and
 current bytes are its own, and a reset starts a new peak; a worker's
 refused allocations are in its report (what tells a worker that crashed
-out of memory from one that crashed for another reason).
+out of memory from one that crashed for another reason), which goes with
+the workers.
 """
 # bazel: tags=manual
 
@@ -50,6 +51,11 @@ try:
   print('OUT ' + json.dumps(out))
 finally:
   workers.Close()
+import os
+from tfpipe import out_of_memory_reports
+reports = [out_of_memory_reports.ReportPath('worker', k, a)
+           for k, a in enumerate(workers.jobs['worker'])]
+print('LEFT ' + json.dumps([p for p in reports if os.path.exists(p)]))
 '''
 
 
@@ -80,3 +86,5 @@ def test_each_worker_has_its_own_limit_and_memory():
   assert out['refusals'] == [
       [], [['', '?'],
            ['/job:worker/replica:0/task:1/device:CPU:0', '1024,3072']]]
+  # Read, the reports go with their workers: nothing is left in /tmp.
+  assert 'LEFT []' in proc.stdout.splitlines(), proc.stdout[-2000:]
