@@ -32,10 +32,15 @@ Measured on AmoebaNet-D K=4's capped workers against each device's median
 of three runs: 14 of 18 configurations within 15% with it, 12 without;
 over every stored run of the grid, the H200's included, 399 of 486 rows
 against 389; the whole grid measured after the rule was chosen, 151 of 162
-(benchmarks/RESULTS.md). Received gradients wait the same way, but how
-many depends on the devices' speeds: counted all, or timed by the profile,
-they over-predicted, so they are not counted (GPipe with remat at M>1 can
-be under-predicted on its first devices).
+(benchmarks/RESULTS.md). Received gradients arrive the same way, but how
+many wait depends on the devices' speeds: counted all that the schedule
+allows, or timed by the profile, they over-predicted. So a gradient counts
+during the action before its backward only (where the schedule allows it
+there): the one a device that is not the slower one still holds. On the
+grid's stored peaks of 2026-11-28, 144 of 162 with it, 143 without (137
+counting all); AmoebaNet-D K=2 with remat against the medians of three
+runs, 4 of 4 (3 without). GPipe with remat at M>1 can still be
+under-predicted on its first devices, when their backwards are the slower.
 
 The last cell's F and B run as one call when B comes right after F (the
 runtime's fused call: no recompute, nothing kept). Inputs and targets of the
@@ -245,7 +250,8 @@ class DevicePeak:
       accumulators: accumulators.ONLY).
     in_flight: micro-batches whose forward state the device holds then.
     kept_bytes: that state: the inputs they keep and what their F kept.
-    ahead_bytes: inputs received then for forwards still to come.
+    ahead_bytes: inputs and gradients received then for actions still to
+      come.
     transient_bytes: the working set of the action running at the peak,
       with the gradient it received.
     action: that action ('F3.1', 'B0.2', or 'update').
@@ -277,7 +283,7 @@ class DevicePeak:
              ('batch', self.batch_bytes),
              ('gradients', self.gradient_bytes),
              (f'{self.in_flight} micro-batch(es) in flight', self.kept_bytes),
-             ('inputs received ahead', self.ahead_bytes),
+             ('received ahead', self.ahead_bytes),
              (f'{self.action} working set', self.transient_bytes)]
     return (f'{self.peak_bytes / mib:.1f} MiB at {self.action} = ' + ' + '.join(
         f'{name} {value / mib:.1f}' for name, value in parts
@@ -391,21 +397,31 @@ def MakeSchedule(step, num_cells):
                                    step.num_micro_batches, step.device_of_cell)
 
 
-def _InputsAhead(sched, device, cell_at, sizes):
-  """Per action of the device, in its order: the bytes of inputs that may
-  have been received by then for its forwards still to come (see the
-  module docstring)."""
+def _ReceivedAhead(sched, device, cell_at, sizes):
+  """Per action of the device, in its order: the bytes it may have received
+  by then for its actions still to come (see the module docstring): inputs
+  of its forwards, from the first action the schedule does not order before
+  their producer; gradients of its backwards, during the action before."""
   acts = sched.device_actions[device]
   clocks = schedule_lib.LatestAncestors(sched)
+  last = sched.num_cells - 1
   ahead = [0.0] * len(acts)
   for j, a in enumerate(acts):
-    if (a.kind != schedule_lib.FORWARD or a.cell == 0 or
-        sched.device_of_cell[a.cell - 1] == device):
+    if (a.kind == schedule_lib.FORWARD and a.cell > 0 and
+        sched.device_of_cell[a.cell - 1] != device):
+      producer = schedule_lib.Action(schedule_lib.FORWARD, a.micro_batch,
+                                     a.cell - 1)
+      received = cell_at(a.cell, sizes[a.micro_batch]).input_bytes
+      first = clocks[producer][device] + 1
+    elif (a.kind == schedule_lib.BACKWARD and a.cell < last and
+          sched.device_of_cell[a.cell + 1] != device):
+      producer = schedule_lib.Action(schedule_lib.BACKWARD, a.micro_batch,
+                                     a.cell + 1)
+      received = cell_at(a.cell, sizes[a.micro_batch]).output_gradient_bytes
+      first = max(clocks[producer][device] + 1, j - 1)
+    else:
       continue
-    producer = schedule_lib.Action(schedule_lib.FORWARD, a.micro_batch,
-                                   a.cell - 1)
-    received = cell_at(a.cell, sizes[a.micro_batch]).input_bytes
-    for i in range(clocks[producer][device] + 1, j):
+    for i in range(first, j):
       ahead[i] += received
   return ahead
 
@@ -445,7 +461,7 @@ def WalkDevice(sched, device, cell_at, step):
   walk = _DeviceWalk(peak, peak.variable_bytes + peak.accumulator_bytes +
                      peak.optimizer_bytes + peak.other_bytes +
                      peak.slack_bytes + peak.batch_bytes)
-  ahead = _InputsAhead(sched, device, cell_at, sizes)
+  ahead = _ReceivedAhead(sched, device, cell_at, sizes)
   for a, early in zip(acts, ahead):
     k, m = a.cell, a.micro_batch
     c = cell_at(k, sizes[m])
