@@ -4,8 +4,9 @@ Protected properties: a worker's report round-trips, and outlives a crash
 that follows the allocator's refusal (as some TensorFlow kernels crash),
 which it records as such, while a report without records leaves nothing
 in /tmp once its worker is gone (one with records stays for a launcher,
-not for a benchmark that read it); a link planted at a report's fixed path in /tmp
-is never followed, by the worker writing or the controller reading.
+not for a benchmark that read it); a link planted at a report's fixed
+path in /tmp is never followed, by the worker writing or the controller
+reading (which reads the file the worker holds open, not the name).
 """
 
 import json
@@ -148,6 +149,46 @@ def test_a_launcher_removes_its_workers_reports_except_the_evidence(
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       'victim', 'worker-2.jsonl']
   assert victim.exists()
+
+
+def _FreeReportFd():
+  try:
+    os.close(out_of_memory_reports.REPORT_FD)
+  except OSError:
+    pass
+
+
+def test_a_controller_reads_the_report_its_worker_holds_not_its_name(
+    tmp_path, monkeypatch):
+  """A controller reads a report with a ReadFile op run by the worker: of
+  the file the worker holds open, so a link or file planted at the name
+  (before the worker started: it refuses them) reads as no report."""
+  planted = tmp_path / 'report.jsonl'
+  monkeypatch.setattr(out_of_memory_reports, 'ReportPath',
+                      lambda *unused: str(planted))
+  # This process plays the worker: the op runs here.
+  monkeypatch.setattr(out_of_memory_reports, '_WorkerDevice',
+                      lambda job, task: '/device:CPU:0')
+  workers = [('/job:worker/task:0', '127.0.0.1:2222')]
+  [record] = out_of_memory.ParseRecords(RAN_OUT_LINE + '\n' + OOM_LINE)
+  _FreeReportFd()
+  try:
+    report = out_of_memory_reports.WorkerReport('worker', 0, '127.0.0.1:2222')
+    assert out_of_memory_reports.AskWorkers(workers) == {}
+    report._Write(record)  # pylint: disable=protected-access
+    assert out_of_memory_reports.AskWorkers(workers) == {
+        '/job:worker/task:0': [record]}
+    _FreeReportFd()
+    planted.unlink()
+    forged = tmp_path / 'forged'
+    forged.write_text(json.dumps({**record._asdict(), 'time': 4e9}) + '\n')
+    planted.symlink_to(forged)
+    refused = out_of_memory_reports.WorkerReport('worker', 0,
+                                                 '127.0.0.1:2222')
+    assert refused.path is None
+    assert out_of_memory_reports.AskWorkers(workers) == {}
+  finally:
+    _FreeReportFd()
 
 
 def test_a_link_at_a_reports_path_is_neither_written_through_nor_read(

@@ -6,8 +6,9 @@ starts, which outlives the process it watches (`RecordFile`):
 
 * a worker's report, at a fixed path on its host (`WorkerReport`,
   `ReportPath`). Its controller reads it through TensorFlow itself, a
-  `ReadFile` op placed on the worker's device (`AskWorkers`), so it works
-  across hosts with no channel besides the cluster's own; or, once the
+  `ReadFile` op placed on the worker's device (`AskWorkers`) that reads
+  the file the worker holds open (`REPORT_FD`), so it works across hosts
+  with no channel besides the cluster's own; or, once the
   worker no longer answers (it crashed right after its allocator refused
   memory), from this host's disk (`LocalReport`), where a launcher's
   workers run.
@@ -43,7 +44,9 @@ def ReportPath(job, task, address):
   A fixed name in a directory anyone can write to, so the report is opened
   only as a regular file of this user, never through a link
   (_OpenOwnFile): another user's file or link there leaves the worker
-  without a report, and cannot make a controller claim out of memory.
+  without a report, and cannot make a controller claim out of memory (the
+  controller reads the file the worker holds open, REPORT_FD, not the
+  name).
   """
   port = address.rsplit(':', 1)[-1]
   return f'/tmp/tfpipe-oom-{job}-{task}-{port}.jsonl'
@@ -132,11 +135,37 @@ class RecordFile:
     self.watch.Stop()
 
 
+# The descriptor on which a worker holds its report open, for its
+# controller to read as /proc/self/fd/REPORT_FD through a ReadFile op that
+# the worker runs (AskWorkers): the file the worker made, whatever the name
+# leads to by then. High, so that nothing a process opens at start has it.
+REPORT_FD = 1017
+
+
 class WorkerReport(RecordFile):
-  """A worker's RecordFile, at ReportPath on its host."""
+  """A worker's RecordFile, at ReportPath on its host, held open on
+  REPORT_FD."""
 
   def __init__(self, job, task, address, hide_warnings=True):
     super().__init__(ReportPath(job, task, address), hide_warnings)
+    if self.path:
+      _HoldOpen(self.path)
+
+
+def _HoldOpen(path):
+  """Holds the report at `path` (checked: a regular file of this user's)
+  open on REPORT_FD, if that descriptor is free."""
+  try:
+    os.fstat(REPORT_FD)
+    return  # Taken: the controller finds no report, never another file.
+  except OSError:
+    pass
+  try:
+    fd = _OpenOwnFile(path, os.O_RDONLY)
+  except OSError:
+    return
+  os.dup2(fd, REPORT_FD, inheritable=False)
+  os.close(fd)
 
 
 class ProcessWatch(RecordFile):
@@ -244,15 +273,17 @@ def AskWorkers(workers, since=None):
   """{task name: [OutOfMemoryRecord]} of the workers that reported any
   since `since` (a time.time(); a worker may have served an earlier run).
 
-  Reads each worker's report with a ReadFile op on that worker: a worker
+  Reads each worker's report with a ReadFile op on that worker, of the
+  file the worker holds open (REPORT_FD), not of the report's name, which
+  anyone on its host could have made a link or a file of theirs: a worker
   that does not answer, or has no report, adds nothing.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   found = {}
-  for job, task, address in _Tasks(workers):
+  for job, task, _ in _Tasks(workers):
     try:
       with tf.device(_WorkerDevice(job, task)):
-        text = tf.io.read_file(ReportPath(job, task, address))
+        text = tf.io.read_file(f'/proc/self/fd/{REPORT_FD}')
       text = text.numpy().decode('utf-8', 'replace')
     except (tf.errors.OpError, ValueError):
       continue
