@@ -69,10 +69,15 @@ def test_a_worker_keeps_tensorflow_warnings_and_reports(tmp_path,
   paths = []
   monkeypatch.setattr(out_of_memory_reports, 'ReportPath', lambda *args: (
       paths.append(args) or str(tmp_path / 'report.jsonl')))
-  memory_budget.WatchThisProcess(FLAGS, False).Stop()
-  assert os.environ[out_of_memory.LOG_LEVEL_ENV] == '1'
-  assert paths == [('worker', 1, '127.0.0.1:3')]
-  assert (tmp_path / 'report.jsonl').exists()
+  watch = memory_budget.WatchThisProcess(FLAGS, False)
+  try:
+    assert os.environ[out_of_memory.LOG_LEVEL_ENV] == '1'
+    assert paths == [('worker', 1, '127.0.0.1:3')]
+    assert (tmp_path / 'report.jsonl').exists()
+  finally:
+    watch.Stop()
+  # It recorded nothing, so nothing is left once its log has ended.
+  assert not (tmp_path / 'report.jsonl').exists()
 
 
 def test_plan_needs_a_budget_and_a_device_count():
