@@ -49,7 +49,6 @@ device's predicted peak says where its memory goes.
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -273,7 +272,11 @@ def Trial(config, family, size, layer_counts=None):
   env = memory_limit.CappedEnv(
       int(Budget(family)) if config == 'naive-1' else None,
       environ=model_environment.Environment(family))
-  env['TF_CPP_MIN_LOG_LEVEL'] = '2'
+  # naive-1's allocator logs its refusals as warnings: kept, so that a
+  # trial that crashes after one (some kernels do) is said to be out of
+  # memory (trial_workers.DiedResult). Pipelined trials' workers keep
+  # reports of their own.
+  env['TF_CPP_MIN_LOG_LEVEL'] = '1' if config == 'naive-1' else '2'
   start = time.time()
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -287,15 +290,8 @@ def Trial(config, family, size, layer_counts=None):
       result = json.loads(line[len('TRIAL '):])
       result['seconds'] = round(time.time() - start, 1)
       return result
-  # The process died before it could report (a capped process may crash
-  # when a kernel is refused memory): its status and its first fatal line.
-  lines = proc.stderr.strip().splitlines() or ['no output']
-  fatal = next((l for l in lines if re.search(
-      r'Fatal Python error|ResourceExhausted|OOM when|Check failed', l)),
-               lines[-1])
-  return {'fits': False, 'seconds': round(time.time() - start, 1),
-          'error': f'the trial died (exit status {proc.returncode}): '
-                   f'{fatal.strip()[:300]}'}
+  return trial_workers.DiedResult(proc.returncode, proc.stderr,
+                                  time.time() - start)
 
 
 # ---- the memory model's seed ----------------------------------------------------

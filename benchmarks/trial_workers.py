@@ -7,6 +7,7 @@ step with an error that never says memory. These watch the workers while
 the steps run and name the worker and what its allocator refused.
 """
 
+import re
 import threading
 import time
 
@@ -88,3 +89,27 @@ def WorkerDiedError(workers, exited):
           f' after its allocator refused {refusals[k][0].Describe()}'
           if refusals[k] else ', no allocation refused')
       for k, status in exited), [r for k in refusals for r in refusals[k]])
+
+
+def DiedResult(status, stderr, seconds):
+  """The TRIAL dict of a trial that died before it could report.
+
+  A capped process may crash when a kernel is refused memory (a failed
+  check on the tensor it did not get): then the allocator's refusal in its
+  log says it was out of memory. A death without one still counts as not
+  fitting, but says that no allocation was refused.
+  """
+  from tfpipe import out_of_memory  # pylint: disable=g-import-not-at-top
+  records = (out_of_memory.ParseRecords(stderr) or
+             out_of_memory.LoggedRefusals(stderr))
+  if records:
+    return {'fits': False, 'out_of_memory': True, 'seconds': round(seconds, 1),
+            'error': f'the trial died (exit status {status}) after its '
+                     f'allocator refused {records[0].Describe()}'}
+  lines = stderr.strip().splitlines() or ['no output']
+  fatal = next((l for l in lines if re.search(
+      r'Fatal Python error|ResourceExhausted|OOM when|Check failed', l)),
+               lines[-1])
+  return {'fits': False, 'out_of_memory': False, 'seconds': round(seconds, 1),
+          'error': f'the trial died (exit status {status}), no allocation '
+                   f'refused: {fatal.strip()[:300]}'}

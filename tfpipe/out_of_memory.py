@@ -128,6 +128,13 @@ class OutOfMemoryRecord(collections.namedtuple(
         size < limit_mb * 2**20 / 100)
 
 
+def LoggedRefusals(text):
+  """Each allocator refusal ('ran out of memory trying to allocate') in a
+  log, as its record alone: for a log that ended right after one, as a
+  process's that crashed when a kernel got no memory."""
+  return [_Refusal(line) for line in text.splitlines() if _RAN_OUT.search(line)]
+
+
 def _Refusal(text):
   """The record of an allocator's refusal, as if the log ended after it
   (the device is the reporting worker's, filled in by whoever reads it)."""

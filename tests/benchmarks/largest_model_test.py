@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 
+from benchmarks import trial_workers
 from tests import quiet_test
 from tests.benchmarks import script_runner
 
@@ -83,6 +84,30 @@ def test_naive_trial_trains_within_the_budget_or_is_out_of_memory(trials):
   too_small = _TrialResult(trials['too_small'])
   assert not too_small['fits']
   assert too_small['out_of_memory'], too_small
+
+
+def test_a_trial_that_died_is_out_of_memory_only_after_a_refusal():
+  # AmoebaNet-D's naive-1 at L=6 in 32 MiB died on a failed check
+  # (tensor.cc: uint8 expected, got float) right after its allocator's
+  # refusals, which its log (warnings kept) shows.
+  from tests import out_of_memory_test  # pylint: disable=g-import-not-at-top
+  crashed = trial_workers.DiedResult(
+      -6, out_of_memory_test.RAN_OUT_LINE + '\nF0000 tensor.cc:896] Check '
+      'failed: dtype() == expected_dtype (1 vs. 4) uint8 expected, got float',
+      30.04)
+  assert crashed['fits'] is False and crashed['out_of_memory'] is True
+  assert crashed['seconds'] == 30.0
+  assert crashed['error'].startswith(
+      'the trial died (exit status -6) after its allocator refused 1.00MiB')
+  full = trial_workers.DiedResult(
+      -11, out_of_memory_test.RAN_OUT_LINE + '\n' + out_of_memory_test.OOM_LINE,
+      1)
+  assert 'a tensor of shape [512,512] (float)' in full['error']
+  other = trial_workers.DiedResult(-11, 'Fatal Python error: Segmentation '
+                                   'fault\nmore', 1)
+  assert other['out_of_memory'] is False
+  assert other['error'] == ('the trial died (exit status -11), no allocation '
+                            'refused: Fatal Python error: Segmentation fault')
 
 
 def test_amoebanet_naive_one_trains_in_its_budget_on_any_cpu(trials):
