@@ -184,6 +184,38 @@ def test_an_input_no_backward_reads_is_not_kept(later_cells):
   assert cell.kept_input == {'always': cell.input_bytes, 'never': 0}
 
 
+def test_each_distinct_cell_is_profiled_in_a_process_of_its_own(monkeypatch):
+  """What BFC grants follows what the allocator held before, and a worker's
+  has held its own cell only: a CPU profile starts one process per
+  distinct cell, each profiling that cell alone (the batch only where it
+  is read), and hands each cell its own profile, equal cells the same."""
+  started = []
+
+  def Run(sub, mode, timeout_s=900, log=None, memory_mb=None):
+    del log, memory_mb
+    assert mode == 'profile' and timeout_s > 0
+    started.append(sub)
+    memory = memory_model.CellMemory(micro_batch_size=8)
+    memory.variable_bytes = len(started)  # Which process profiled it.
+    return [memory_model.CellProfile([memory]).ToDict()]
+
+  monkeypatch.setattr(memory_profile, 'RunInSubprocess', Run)
+  cells = [_Cell('a'), _Cell('b'), _Cell('b2'), _Cell('c', activation='none')]
+  batch = np.zeros((8, _DIM), np.float32)
+  request = memory_profile.ProfileRequest(
+      cells, [(None, _DIM)] * 4, batch, batch, _Loss, [8],
+      optimizer_lib.OptimizerParams())
+  request.allocator_slack = False
+  profiles = memory_profile.ProfileCells(request)
+  assert [p.At(8).variable_bytes for p in profiles] == [1, 2, 2, 3]
+  assert [s.positions for s in started] == [[0], [1], [3]]
+  assert all(s.in_this_process and len(s.cells) == 1 and s.num_cells == 4
+             for s in started)
+  assert [s.inputs is not None for s in started] == [True, False, True]
+  assert [s.targets is not None for s in started] == [True, False, True]
+  assert request.positions == [0, 1, 2, 3] and len(request.cells) == 4
+
+
 def test_profiling_needs_the_counting_allocator(monkeypatch):
   monkeypatch.delenv('TF_CPU_ALLOCATOR_USE_BFC', raising=False)
   with pytest.raises(RuntimeError, match='TF_CPU_ALLOCATOR_USE_BFC=true'):

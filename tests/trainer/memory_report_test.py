@@ -81,10 +81,13 @@ def test_a_device_in_the_planners_headroom_is_called_tight():
       p, peaks, 9, ['/CPU:0', '/CPU:1'], headroom=0.15))
 
 
-def test_profiles_run_with_the_devices_intra_op_threads(monkeypatch):
-  """The update's working set follows how many ops run at once, so a
-  profile for devices of one intra-op thread runs in a subprocess that has
-  one, unless this process already does."""
+def test_a_cpu_profile_runs_in_fresh_processes_with_the_devices_threads(
+    monkeypatch):
+  """The update's working set follows how many ops run at once, and what
+  the allocator grants follows what it held before: a CPU profile runs in
+  fresh processes (one per distinct cell) with the devices' intra-op
+  threads, even from a process whose allocator counts bytes; a GPU's, in
+  the process that holds it."""
   from tfpipe import memory_limit  # pylint: disable=g-import-not-at-top
   from tfpipe.gpipe import memory_profile  # pylint: disable=g-import-not-at-top
   request = memory_report.ProfileRequest(_Params(), example=(None, None),
@@ -97,11 +100,11 @@ def test_profiles_run_with_the_devices_intra_op_threads(monkeypatch):
                       lambda r, log=None: where.append('subprocess'))
   monkeypatch.setenv(memory_limit.BFC_ENV, 'true')
   monkeypatch.delenv(memory_limit.LIMIT_ENV, raising=False)
-  monkeypatch.delenv(memory_profile.INTRA_OP_ENV, raising=False)
-  memory_report.Profile(request)
   monkeypatch.setenv(memory_profile.INTRA_OP_ENV, '1')
   memory_report.Profile(request)
-  request.intra_op_threads = 0
-  monkeypatch.delenv(memory_profile.INTRA_OP_ENV)
+  assert memory_profile.SubprocessEnv(
+      request, 'profile')[memory_profile.INTRA_OP_ENV] == '1'
+  request.device = '/job:localhost/replica:0/task:0/device:GPU:0'
   memory_report.Profile(request)
-  assert where == ['subprocess', 'here', 'here']
+  memory_report.Profile(request, in_subprocess=True)
+  assert where == ['subprocess', 'here', 'subprocess']

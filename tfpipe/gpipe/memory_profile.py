@@ -49,15 +49,17 @@ alone, AmoebaNet-D's second device without re-materialization at M=1
 counted both the gradient's partial sums and an input it no longer holds;
 with the freed input alone, that device lacked the gradient it makes.
 
-Every profile counts bytes in an allocator that has run other cells; a
-device starts empty, and a fresh one-region allocator can hold more than
-the tensors it was given (gpipe/allocator_slack.py measures that).
+On the CPU each distinct cell is profiled in a fresh process, whose
+allocator has held that cell only, as its worker's has: what BFC grants a
+request depends on the free chunks that earlier tensors left
+(ProfileInSubprocess). A fresh one-region allocator can still hold more
+than the tensors it was given (gpipe/allocator_slack.py measures that).
 
 Counting bytes needs TensorFlow's BFC allocator on the CPU, which only
-TF_CPU_ALLOCATOR_USE_BFC=true set before TensorFlow starts gives:
-`ProfileCells` runs in such a process, and `ProfileInSubprocess` starts one
-(python -m tfpipe.gpipe.memory_profile) from a process that was started
-without it.
+TF_CPU_ALLOCATOR_USE_BFC=true set before TensorFlow starts gives: the
+processes that `ProfileInSubprocess` starts (python -m
+tfpipe.gpipe.memory_profile) set it. A GPU's allocator always counts, so
+a GPU profile may run in the process that holds the GPU (`ProfileCells`).
 """
 
 import copy
@@ -395,6 +397,8 @@ class ProfileRequest:
     self.device = None
     self.allocator_slack = True
     self.gpu_memory_mb = None
+    # Set in the process that profiles one cell for ProfileInSubprocess.
+    self.in_this_process = False
 
   def Select(self, indices):
     """Keeps only the cells at these pipeline positions."""
@@ -403,12 +407,26 @@ class ProfileRequest:
     self.positions = [self.positions[i] for i in indices]
 
 
+def _DistinctCells(request):
+  """{CellSignature: index in the request of the first cell with it}."""
+  last = request.num_cells - 1
+  first_of = {}
+  for i, (k, cell, shape) in enumerate(zip(request.positions, request.cells,
+                                           request.input_shapes)):
+    first_of.setdefault(CellSignature(cell, shape, k == last, k == 0), i)
+  return first_of
+
+
 def ProfileCells(request, log=None):
   """A memory_model.CellProfile per cell of the request; equal cells once.
 
-  Must run in a process whose allocator for request.device counts bytes
-  (CheckAllocatorCounts).
+  On the CPU each distinct cell is profiled in a fresh process of its own
+  (ProfileInSubprocess), as each runs on a worker of its own. Otherwise
+  (a GPU of this process), here, in a process whose allocator for
+  request.device counts bytes (CheckAllocatorCounts).
   """
+  if request.device is None and not request.in_this_process:
+    return ProfileInSubprocess(request, log=log)
   CheckAllocatorCounts(request.device)
   if request.inputs is None and request.input_params is not None:
     tf = _Tf()
@@ -448,12 +466,7 @@ def _AddBuildSlack(request, done, log=None):
   per process, a process per cell. (One allocator that built and freed another cell first
   is not fresh: on an H200, the MLP K=4's second cell then showed no slack,
   where a fresh device held 4 MiB more.)"""
-  last = request.num_cells - 1
-  first_of = {}
-  for i, (k, cell, shape) in enumerate(zip(request.positions, request.cells,
-                                           request.input_shapes)):
-    key = CellSignature(cell, shape, k == last, k == 0)
-    first_of.setdefault(key, i)
+  first_of = _DistinctCells(request)
   keys = list(first_of)
   # Room for the largest build: its variables, slots, and an initializer's
   # temporaries (a few of the variables' size).
@@ -494,13 +507,43 @@ def _AddBuildSlack(request, done, log=None):
 
 
 def ProfileInSubprocess(request, timeout_s=900, log=None):
-  """ProfileCells in a fresh Python process with the BFC allocator.
+  """ProfileCells in fresh Python processes with the BFC allocator: on the
+  CPU, one process per distinct cell; on a GPU, one for all.
+
+  A profile reads an allocator whose free chunks are what earlier tensors
+  left, and BFC hands a request a whole free chunk under twice its size. In
+  one process that had profiled the MLP's first cell of four, the second
+  cell's backward took 8 MiB for 4 MiB of weight gradients, in two grid
+  runs of three; profiled alone, 4.1 MiB, and its worker took about 4.5
+  (benchmarks/RESULTS.md, memory_model_accuracy). A worker's allocator has
+  held its own cell only, so a CPU profile does the same.
 
   Returns the list of CellProfile. Raises RuntimeError with the child's
-  error when it fails.
+  error when it fails, subprocess.TimeoutExpired after timeout_s in all.
   """
-  return [memory_model.CellProfile.FromDict(p) for p in RunInSubprocess(
-      request, 'profile', timeout_s=timeout_s, log=log)]
+  if request.device is not None:
+    return [memory_model.CellProfile.FromDict(p) for p in RunInSubprocess(
+        request, 'profile', timeout_s=timeout_s, log=log)]
+  deadline = time.monotonic() + timeout_s
+  last = request.num_cells - 1
+  first_of = _DistinctCells(request)
+  done = {}
+  for key, i in first_of.items():
+    sub = copy.copy(request)  # Select replaces the copy's lists.
+    sub.Select([i])
+    sub.in_this_process = True
+    sub.allocator_slack = False  # Measured below, for all cells at once.
+    if sub.positions[0] not in (0, last):  # Reads no batch: random inputs.
+      sub.inputs = sub.targets = sub.input_params = None
+    [profile] = RunInSubprocess(
+        sub, 'profile', log=log,
+        timeout_s=max(1.0, deadline - time.monotonic()))
+    done[key] = memory_model.CellProfile.FromDict(profile)
+  if request.allocator_slack:
+    _AddBuildSlack(request, done, log)
+  return [done[CellSignature(cell, shape, k == last, k == 0)]
+          for k, cell, shape in zip(request.positions, request.cells,
+                                    request.input_shapes)]
 
 
 def SubprocessEnv(request, mode, memory_mb=None):

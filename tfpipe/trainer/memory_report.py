@@ -2,8 +2,9 @@
 
 The bridge between an experiment's params (the trainer's `p`) and
 gpipe.memory_model: the experiment's cells are profiled once (one short
-step per distinct cell, gpipe.memory_profile, in a subprocess with a
-counting allocator unless this process has one), with an example batch of
+step per distinct cell, gpipe.memory_profile, each in a fresh process
+with a counting allocator, as each runs on a device of its own; on a GPU,
+in the process that holds it), with an example batch of
 its own input and its own loss and optimizer; the walk of the schedule then
 gives each device's peak. `--mode=inspect_model` prints it next to the
 budget (`BudgetLines`), the planner plans from the same profiles, and an
@@ -11,10 +12,8 @@ out-of-memory error quotes it.
 """
 
 import math
-import os
 
 from tfpipe import cost_model
-from tfpipe import memory_limit
 from tfpipe.gpipe import memory_model
 from tfpipe.gpipe import memory_profile
 from tfpipe.gpipe import partition
@@ -96,17 +95,11 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
 
 
 def Profile(request, log=None, in_subprocess=False):
-  """The request's CellProfiles: in this process if its allocator counts
-  bytes, has no limit and runs the devices' threads (a benchmark's), or if
-  they are profiled on a device of this process (a GPU); else, or with
-  `in_subprocess` (a process that has not set up its devices yet), in a
-  subprocess that does."""
-  threads = os.environ.get(memory_profile.INTRA_OP_ENV, '0')
-  if in_subprocess:
-    return memory_profile.ProfileInSubprocess(request, log=log)
-  if request.device is not None or (
-      memory_limit.UsesBfc() and memory_limit.LimitMb() is None and
-      str(request.intra_op_threads or 0) == threads):
+  """The request's CellProfiles: on a GPU of this process, here; on the
+  CPU, or with `in_subprocess` (a process that has not set up its devices
+  yet), in fresh processes with the devices' intra-op threads, one per
+  distinct cell (memory_profile.ProfileInSubprocess)."""
+  if request.device is not None and not in_subprocess:
     return memory_profile.ProfileCells(request, log=log)
   return memory_profile.ProfileInSubprocess(request, log=log)
 
