@@ -72,7 +72,7 @@ class SizePredictor:
         p, cells=cells, micro_batch_sizes=[1, self.batch],
         intra_op_threads=capped_workers.INTRA_OP_THREADS,
         single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
-        allocator_slack=False)
+        allocator_slack=False, process_per_cell=False)
     request.Select(indices)  # Only the layers not profiled yet.
     return memory_report.Profile(request, in_subprocess=True)
 

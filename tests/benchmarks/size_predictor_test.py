@@ -62,7 +62,8 @@ class _Request:
 
 def test_layers_are_profiled_as_the_capped_workers_run_them(monkeypatch):
   """Single-threaded calls, one intra-op thread, no build slack: the
-  trials' workers' CPUs (capped_workers), not this process's executor."""
+  trials' workers' CPUs (capped_workers), not this process's executor;
+  the layers, a search's estimate, share one process."""
   from benchmarks import capped_workers  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   seen = []
@@ -81,4 +82,4 @@ def test_layers_are_profiled_as_the_capped_workers_run_them(monkeypatch):
       'cells': ['cell'], 'micro_batch_sizes': [1, 8],
       'intra_op_threads': capped_workers.INTRA_OP_THREADS,
       'single_threaded_calls': capped_workers.SINGLE_THREADED_CALLS,
-      'allocator_slack': False}
+      'allocator_slack': False, 'process_per_cell': False}

@@ -197,7 +197,7 @@ def test_each_distinct_cell_is_profiled_in_a_process_of_its_own(monkeypatch):
     started.append(sub)
     memory = memory_model.CellMemory(micro_batch_size=8)
     memory.variable_bytes = len(started)  # Which process profiled it.
-    return [memory_model.CellProfile([memory]).ToDict()]
+    return [memory_model.CellProfile([memory]).ToDict()] * len(sub.cells)
 
   monkeypatch.setattr(memory_profile, 'RunInSubprocess', Run)
   cells = [_Cell('a'), _Cell('b'), _Cell('b2'), _Cell('c', activation='none')]
@@ -214,6 +214,11 @@ def test_each_distinct_cell_is_profiled_in_a_process_of_its_own(monkeypatch):
   assert [s.inputs is not None for s in started] == [True, False, True]
   assert [s.targets is not None for s in started] == [True, False, True]
   assert request.positions == [0, 1, 2, 3] and len(request.cells) == 4
+  # A planner's one-layer cells share one process.
+  started.clear()
+  request.process_per_cell = False
+  assert len(memory_profile.ProfileInSubprocess(request)) == 4
+  assert [s.positions for s in started] == [[0, 1, 2, 3]]
 
 
 def test_profiling_needs_the_counting_allocator(monkeypatch):

@@ -4,10 +4,13 @@ Protected properties (no profiling here; gpipe/memory_profile_test and the
 trainer's end-to-end tests run it): each cell's input shape follows from
 the cost model, the step the walk sees is the experiment's (schedule, M,
 one replica's batch, remat, interleaved placement), the layers become
-one-layer cells for the planner, and the inspect_model lines put each
+one-layer cells for the planner (profiled in one process, where a CPU's
+cells get a fresh process each), and the inspect_model lines put each
 device's prediction next to the budget and say what to change when one
 does not fit.
 """
+
+import pytest
 
 from tfpipe import model_registry
 from tfpipe.gpipe import memory_model
@@ -108,3 +111,23 @@ def test_a_cpu_profile_runs_in_fresh_processes_with_the_devices_threads(
   memory_report.Profile(request)
   memory_report.Profile(request, in_subprocess=True)
   assert where == ['subprocess', 'here', 'subprocess']
+
+
+def test_the_planners_layers_share_one_process_its_cells_do_not(monkeypatch):
+  """A planner's one-layer cells are a search's estimate, refined on the
+  chosen cut's cells: the layers are profiled in one process, the cells
+  each in a fresh one (memory_profile.ProfileRequest.process_per_cell)."""
+  requests = []
+
+  def Capture(request, log=None, in_subprocess=False):
+    del log, in_subprocess
+    requests.append(request)
+    raise StopIteration
+
+  monkeypatch.setattr(memory_report, 'Profile', Capture)
+  with pytest.raises(StopIteration):
+    memory_report.PlannerProfiles(_Params(), [4], example=(None, None))
+  [layers] = requests
+  assert len(layers.cells) > 2 and not layers.process_per_cell
+  assert memory_report.ProfileRequest(
+      _Params(), example=(None, None)).process_per_cell

@@ -375,6 +375,12 @@ class ProfileRequest:
       opens a region counts as the region, which can be larger). Growing
       is the default until the two are compared on a GPU (RESULTS.md,
       section GPU, "Sixth H200 run").
+    process_per_cell: on the CPU, profile each distinct cell in a fresh
+      process of its own (ProfileInSubprocess); False: all in one, in
+      turn. A planner's one-layer cells are a search's estimate, refined
+      on the chosen cut's own cells, so they may share a process: Table 1
+      predicted every size from layers profiled together (17.4 minutes;
+      19.8 with a process per layer, the same sizes).
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -397,6 +403,7 @@ class ProfileRequest:
     self.device = None
     self.allocator_slack = True
     self.gpu_memory_mb = None
+    self.process_per_cell = True
     # Set in the process that profiles one cell for ProfileInSubprocess.
     self.in_this_process = False
 
@@ -425,7 +432,8 @@ def ProfileCells(request, log=None):
   (a GPU of this process), here, in a process whose allocator for
   request.device counts bytes (CheckAllocatorCounts).
   """
-  if request.device is None and not request.in_this_process:
+  if (request.device is None and request.process_per_cell and
+      not request.in_this_process):
     return ProfileInSubprocess(request, log=log)
   CheckAllocatorCounts(request.device)
   if request.inputs is None and request.input_params is not None:
@@ -508,7 +516,8 @@ def _AddBuildSlack(request, done, log=None):
 
 def ProfileInSubprocess(request, timeout_s=900, log=None):
   """ProfileCells in fresh Python processes with the BFC allocator: on the
-  CPU, one process per distinct cell; on a GPU, one for all.
+  CPU, one process per distinct cell (unless not
+  `request.process_per_cell`); on a GPU, one for all.
 
   A profile reads an allocator whose free chunks are what earlier tensors
   left, and BFC hands a request a whole free chunk under twice its size. In
@@ -521,7 +530,7 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
   Returns the list of CellProfile. Raises RuntimeError with the child's
   error when it fails, subprocess.TimeoutExpired after timeout_s in all.
   """
-  if request.device is not None:
+  if request.device is not None or not request.process_per_cell:
     return [memory_model.CellProfile.FromDict(p) for p in RunInSubprocess(
         request, 'profile', timeout_s=timeout_s, log=log)]
   deadline = time.monotonic() + timeout_s

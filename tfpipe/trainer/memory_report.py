@@ -54,7 +54,7 @@ def StepMicroBatchSizes(p):
 
 def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
                    intra_op_threads=0, single_threaded_calls=False,
-                   device=None, allocator_slack=True):
+                   device=None, allocator_slack=True, process_per_cell=True):
   """A memory_profile.ProfileRequest for the experiment's cells.
 
   Args:
@@ -76,6 +76,9 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
       CPUs (`single_threaded_calls`): the controller makes their variables'
       initial values (initial_values), so no initializer's temporaries
       leave the hole that the slack fills.
+    process_per_cell: on the CPU, each distinct cell in a fresh process
+      (memory_profile.ProfileRequest.process_per_cell); False for a
+      planner's one-layer cells.
   """
   model = p.task.model.Instantiate()
   if cells is None:
@@ -91,6 +94,7 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
   request.single_threaded_calls = single_threaded_calls
   request.device = device
   request.allocator_slack = allocator_slack and not single_threaded_calls
+  request.process_per_cell = process_per_cell
   return request
 
 
@@ -98,7 +102,8 @@ def Profile(request, log=None, in_subprocess=False):
   """The request's CellProfiles: on a GPU of this process, here; on the
   CPU, or with `in_subprocess` (a process that has not set up its devices
   yet), in fresh processes with the devices' intra-op threads, one per
-  distinct cell (memory_profile.ProfileInSubprocess)."""
+  distinct cell unless not `request.process_per_cell`
+  (memory_profile.ProfileInSubprocess)."""
   if request.device is not None and not in_subprocess:
     return memory_profile.ProfileCells(request, log=log)
   return memory_profile.ProfileInSubprocess(request, log=log)
@@ -218,6 +223,6 @@ def PlannerProfiles(p, micro_batch_sizes, example=None, log=None,
                            micro_batch_sizes=micro_batch_sizes,
                            example=example, intra_op_threads=intra_op_threads,
                            single_threaded_calls=single_threaded_calls,
-                           device=device)
+                           device=device, process_per_cell=False)
   profiles = Profile(request, log=log, in_subprocess=in_subprocess)
   return planner.LayerProfiles(profiles, profiles[-1])
