@@ -522,8 +522,8 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
   A profile reads an allocator whose free chunks are what earlier tensors
   left, and BFC hands a request a whole free chunk under twice its size. In
   one process that had profiled the MLP's first cell of four, the second
-  cell's backward took 8 MiB for 4 MiB of weight gradients, in two grid
-  runs of three; profiled alone, 4.1 MiB, and its worker took about 4.5
+  cell's backward took 8 MiB for 4 MiB of weight gradients, in two
+  profiles of three; profiled alone, 4.1 MiB, and its worker took about 4.5
   (benchmarks/RESULTS.md, memory_model_accuracy). A worker's allocator has
   held its own cell only, so a CPU profile does the same.
 
