@@ -66,7 +66,6 @@ import copy
 import math
 import os
 import pickle
-import re
 import subprocess
 import sys
 import tempfile
@@ -74,6 +73,7 @@ import time
 
 from tfpipe.gpipe import action_memory
 from tfpipe.gpipe import memory_model
+from tfpipe.gpipe import profile_request
 from tfpipe.gpipe import tensor_buffers
 
 # TensorFlow reads it when it starts: the intra-op threads of the process.
@@ -86,6 +86,11 @@ GPU_GROWTH_ENV = 'TF_FORCE_GPU_ALLOW_GROWTH'
 # of the recorded steps, and each time the shortest (see _Worst for what a
 # forward keeps).
 _RECORDED_STEPS = 3
+
+
+# What a profile needs, picklable; and when two cells profile alike.
+ProfileRequest = profile_request.ProfileRequest
+CellSignature = profile_request.CellSignature
 
 
 def _Tf():
@@ -328,102 +333,6 @@ def _ProfileUpdate(variables, optimizer_params, clip_gradient_norm,
   return slots, max(0, peak), seconds
 
 
-def CellSignature(cell_params, input_shape, is_last, is_first):
-  """What makes two cells' memory equal: their layers without names or
-  seeds, their input shape, whether the loss runs on them, and whether they
-  are first (whose backward computes no input gradient)."""
-  text = '\n'.join(line for line in cell_params.ToText().splitlines()
-                   if not re.search(r'(^|\.)(name|random_seed) :', line))
-  return (text, repr(input_shape), bool(is_last), bool(is_first))
-
-
-class ProfileRequest:
-  """What ProfileCells needs; picklable, so a subprocess can run it.
-
-  Attributes:
-    cells: the cell params, in pipeline order.
-    input_shapes: each cell's input shape (batch dim None).
-    inputs: an example batch of the first cell's input (numpy leaves).
-    targets: its targets (numpy leaves), or None.
-    loss_fn: the model's loss, picklable (e.g. a model builder's Loss).
-    micro_batch_sizes: the sizes to profile every cell at.
-    optimizer_params: the task's optimizer params.
-    clip_gradient_norm: the task's clipping.
-    positions: each cell's index in the pipeline; the first gets `inputs`,
-      the last the loss (default: the cells are the whole pipeline).
-    num_cells: the pipeline's number of cells (default: len(cells)).
-    intra_op_threads: the threads one op may use on the devices profiled
-      for (0: TensorFlow's default). How many ops run at once, and so the
-      working set of an action (the optimizer update's above all), follows
-      it; ProfileInSubprocess profiles with it.
-    single_threaded_calls: whether the devices run each action as a call on
-      TensorFlow's single-threaded executor, as a worker process's CPU does
-      (cell_runtime.OnWorkerCpu); the profile's actions then do too.
-    device: the device the cells are profiled on, whose allocator is read;
-      None: the profiling process's CPU. A GPU's own allocator counts what
-      its kernels and libraries take, which a CPU profile cannot see, so a
-      pipeline of GPUs is profiled on one of them (ProfileCells runs in the
-      process that holds it).
-    allocator_slack: also measure each cell's allocator slack
-      (allocator_slack.BuildSlack), which the devices have if their
-      allocator is one region from the start (GPUs, capped workers); False
-      for devices whose allocator grows by regions (uncapped CPU
-      processes).
-    gpu_memory_mb: with a GPU `device`, profile on one logical GPU of this
-      many MiB, whose allocator is one region from the start, as a run's
-      GPUs are; None, on the GPU's allocator that grows (a request that
-      opens a region counts as the region, which can be larger). Growing
-      is the default until the two are compared on a GPU (RESULTS.md,
-      section GPU, "Sixth H200 run").
-    process_per_cell: on the CPU, profile each distinct cell in a fresh
-      process of its own (ProfileInSubprocess); False: all in one, in
-      turn. A planner's one-layer cells are a search's estimate, refined
-      on the chosen cut's own cells, so they may share a process: Table 1
-      predicted every size from layers profiled together (17.4 minutes;
-      19.8 with a process per layer, the same sizes).
-  """
-
-  def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
-               micro_batch_sizes, optimizer_params, clip_gradient_norm=1.0):
-    self.cells = list(cells)
-    self.input_shapes = list(input_shapes)
-    self.inputs = inputs
-    self.targets = targets
-    self.loss_fn = loss_fn
-    self.micro_batch_sizes = sorted(set(int(n) for n in micro_batch_sizes))
-    self.optimizer_params = optimizer_params
-    self.clip_gradient_norm = clip_gradient_norm
-    self.positions = list(range(len(self.cells)))
-    self.num_cells = len(self.cells)
-    # Instead of `inputs` and `targets`: input generator params whose first
-    # batch the profiling process reads (so the caller runs no TF op).
-    self.input_params = None
-    self.intra_op_threads = 0
-    self.single_threaded_calls = False
-    self.device = None
-    self.allocator_slack = True
-    self.gpu_memory_mb = None
-    self.process_per_cell = True
-    # Set in the process that profiles one cell for ProfileInSubprocess.
-    self.in_this_process = False
-
-  def Select(self, indices):
-    """Keeps only the cells at these pipeline positions."""
-    self.cells = [self.cells[i] for i in indices]
-    self.input_shapes = [self.input_shapes[i] for i in indices]
-    self.positions = [self.positions[i] for i in indices]
-
-
-def _DistinctCells(request):
-  """{CellSignature: index in the request of the first cell with it}."""
-  last = request.num_cells - 1
-  first_of = {}
-  for i, (k, cell, shape) in enumerate(zip(request.positions, request.cells,
-                                           request.input_shapes)):
-    first_of.setdefault(CellSignature(cell, shape, k == last, k == 0), i)
-  return first_of
-
-
 def ProfileCells(request, log=None):
   """A memory_model.CellProfile per cell of the request; equal cells once.
 
@@ -474,7 +383,7 @@ def _AddBuildSlack(request, done, log=None):
   per process, a process per cell. (One allocator that built and freed another cell first
   is not fresh: on an H200, the MLP K=4's second cell then showed no slack,
   where a fresh device held 4 MiB more.)"""
-  first_of = _DistinctCells(request)
+  first_of = profile_request.DistinctCells(request)
   keys = list(first_of)
   # Room for the largest build: its variables, slots, and an initializer's
   # temporaries (a few of the variables' size).
@@ -535,7 +444,7 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
         request, 'profile', timeout_s=timeout_s, log=log)]
   deadline = time.monotonic() + timeout_s
   last = request.num_cells - 1
-  first_of = _DistinctCells(request)
+  first_of = profile_request.DistinctCells(request)
   done = {}
   for key, i in first_of.items():
     sub = copy.copy(request)  # Select replaces the copy's lists.
