@@ -7,7 +7,8 @@ activations its backward reads, as the allocator holds them, with remat
 (on a cell that is not last) nothing beyond its input; a forward keeps its
 input only where its backward reads it (always when re-materialized); the
 last cell, profiled with the model's loss, keeps the loss's gradient when
-re-materialized; equal cells are profiled once, the first apart, and a
+re-materialized; a re-materialized backward holds none of its recomputed
+outputs; equal cells are profiled once, the first apart, and a
 cell that is not first is measured computing its input gradient; a process
 without the counting allocator is told how to get one; and for worker
 processes' CPUs, whose actions are calls on the single-threaded executor,
@@ -132,8 +133,9 @@ def test_a_forward_keeps_its_input_where_its_backward_reads_it(profiles):
 
 @pytest.fixture(scope='module')
 def later_cells():
-  """One cell first and second in a pipeline, and twice a cell whose
-  backward reads its ReLU's output, not its input (none of them last)."""
+  """One cell first and second in a pipeline, twice a cell whose backward
+  reads its ReLU's output, not its input, and a linear cell whose output is
+  64 times its input (none of them last)."""
   from tfpipe import layers  # pylint: disable=g-import-not-at-top
   from tfpipe.layers import amoeba  # pylint: disable=g-import-not-at-top
   wide = cell_lib.FeatureExtractionLayer.Params().Set(name='wide', sub=[
@@ -142,12 +144,17 @@ def later_cells():
   relu_first = cell_lib.FeatureExtractionLayer.Params().Set(
       name='relu_first', sub=[amoeba.ReluConvBn.Params().Set(
           name='rcb', in_channels=8, out_channels=8)])
+  widening = cell_lib.FeatureExtractionLayer.Params().Set(
+      name='widening', sub=[layers.FCLayer.Params().Set(
+          name='fc', input_dims=8, output_dims=_WIDE, activation='none')])
   request = memory_profile.ProfileRequest(
-      [wide, wide.Copy(), relu_first, relu_first.Copy().Set(name='again')],
-      [(None, _WIDE), (None, _WIDE), (None, 8, 8, 8), (None, 8, 8, 8)],
+      [wide, wide.Copy(), relu_first, relu_first.Copy().Set(name='again'),
+       widening],
+      [(None, _WIDE), (None, _WIDE), (None, 8, 8, 8), (None, 8, 8, 8),
+       (None, 8)],
       np.random.RandomState(0).normal(size=(_N, _WIDE)).astype(np.float32),
       None, _Loss, [_N], optimizer_lib.OptimizerParams())
-  request.num_cells = 5  # None of them is last.
+  request.num_cells = 6  # None of them is last.
   return memory_profile.ProfileInSubprocess(request, timeout_s=240)
 
 
@@ -174,6 +181,21 @@ def test_a_later_cells_backward_is_measured_making_its_input_gradient(
     # twice its size whole; what the first's backward got that way (its
     # weight gradient is 8 times smaller) may come off.
     assert 0.75 * gradient <= grown <= 2 * gradient, (mode, grown)
+
+
+def test_a_rematerialized_backward_does_not_hold_the_recomputed_output(
+    later_cells):
+  """A linear layer's gradients read its input and d loss / d output, not
+  its output, so the recompute need not make the output (2 MiB) at all.
+  Returned from the backward's call, it was made and held until the call
+  ended (AmoebaNet-D's first cell was predicted about 20% above its
+  worker). What the backward makes is its weight gradient (256 KiB) and
+  its input gradient (2 KiB), and BFC may give a request up to twice its
+  bytes: under half the output in all, as without remat."""
+  cell = later_cells[4].At(_N)
+  assert cell.output_bytes == _N * _WIDE * 4
+  assert cell.backward_peak['always'] < cell.output_bytes / 2, (
+      cell.backward_peak)
 
 
 def test_an_input_no_backward_reads_is_not_kept(later_cells):

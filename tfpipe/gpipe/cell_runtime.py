@@ -27,7 +27,9 @@ The functions come from the cell's CellProgram for the input's signature
 (cell_program.py): the residual forward and the B, W and B+W parts are cut
 from the program's whole trace; the re-materialized backward is the whole
 trace as one call that stays a call, so that it starts only once d loss /
-d output exists and its recomputed activations live only while it runs.
+d output exists and its recomputed activations live only while it runs
+(and it returns none of the recomputed outputs, which would live until it
+ends).
 When B(m, K-1) directly follows F(m, K-1), F, B and W are that whole trace
 as one call (nothing to keep). Backward calls are inlined into a caller's
 graph only when the pipeline is one cell and the step one micro-batch, so
@@ -263,11 +265,11 @@ class CellRuntime:
       return _List(function(*args))
 
   def _Accumulating(self, program, function, num_weights, connected, modes,
-                    pack, noinline, body):
+                    pack, noinline, body, discard=0):
     """`function`'s call, and the accumulation of its last `num_weights`
     outputs, the gradients of the variables `connected` (indices): (*args)
-    -> the other outputs, the gradients of mode ONLY, and a token that
-    exists once the buffers are updated.
+    -> the other outputs but the first `discard`, the gradients of mode
+    ONLY, and a token that exists once the buffers are updated.
 
     In a graph these are ops of the caller's graph, unless `noinline`: then
     one call that stays a call (see the module docstring). Eagerly they are
@@ -298,10 +300,10 @@ class CellRuntime:
             variables, pack(outputs[split:]), modes)
         with tf.control_dependencies(updates):
           done = tf.constant(True)
-        return outputs[:split] + kept + [done]
+        return outputs[discard:split] + kept + [done]
     if not tf.executing_eagerly() and not noinline:
       return Run
-    key = (id(function), modes, noinline, single_threaded)
+    key = (id(function), modes, noinline, single_threaded, discard)
     if key not in program.actions:
       attributes = {'_noinline': True} if noinline else None
       with cell_program.Tracing():
@@ -312,10 +314,11 @@ class CellRuntime:
     return program.actions[key][1]
 
   def _CallAccumulating(self, program, function, num_weights, gradients,
-                        args, pack=list, noinline=None, body=None):
+                        args, pack=list, noinline=None, body=None, discard=0):
     """Runs `function` on `args` and accumulates its weight gradients;
     `body`: the ops `function` calls, if it only calls them
-    (split_backward.Part.body).
+    (split_backward.Part.body); `discard`: how many leading outputs the
+    caller does not want (see Backward).
 
     Returns (the other outputs, done token).
     """
@@ -330,7 +333,7 @@ class CellRuntime:
                   self._SingleThreadedCall(function) or
                   any(mode != accumulators.ONLY for mode in modes))
     run = self._Accumulating(program, function, num_weights, connected,
-                             modes, pack, noinline, body)
+                             modes, pack, noinline, body, discard)
     outputs = self._Call(run, args)
     split = len(outputs) - 1 - modes.count(accumulators.ONLY)
     gradients.Done(connected, modes, outputs[split:-1])
@@ -418,10 +421,13 @@ class CellRuntime:
     cut = program.Cut(need_dx) if (
         split or isinstance(record, KeptResiduals)) else None
     if cut is None:  # Re-materialized, B and W in one call.
+      # The recomputed forward outputs are not returned: a call's outputs
+      # live until it returns, and the cell's output (or the last cell's
+      # loss) would be held through the whole backward for nothing.
       outputs, done = self._CallAccumulating(
           program, function, len(backward.connected), gradients,
-          record.inputs + dy, noinline=True)
-      return outputs[program.num_forward:], None, [done]
+          record.inputs + dy, noinline=True, discard=program.num_forward)
+      return outputs, None, [done]
     values = (dict(record.values) if isinstance(record, KeptResiduals) else
               dict(zip([t.name for t in traced.inputs], record.inputs)))
     values.update(zip([t.name for t in traced.output_gradients], dy))
