@@ -135,7 +135,7 @@ def test_a_forward_keeps_its_input_where_its_backward_reads_it(profiles):
 def later_cells():
   """One cell first and second in a pipeline, twice a cell whose backward
   reads its ReLU's output, not its input, and a linear cell whose output is
-  64 times its input (none of them last)."""
+  1024 times as wide as its input (none of them last)."""
   from tfpipe import layers  # pylint: disable=g-import-not-at-top
   from tfpipe.layers import amoeba  # pylint: disable=g-import-not-at-top
   wide = cell_lib.FeatureExtractionLayer.Params().Set(name='wide', sub=[
