@@ -114,6 +114,10 @@ _MEASURED = {
     'remat': [dict(remat='never', **_DEEP), dict(remat='always', **_DEEP)],
     'schedules': [dict(schedule=s, **_SIXTEEN_MICRO_BATCHES)
                   for s in ('gpipe', '1f1b', 'zb_h1')],
+    # The same micro-batch size, twice as many micro-batches.
+    'schedules_at_32': [dict(_SIXTEEN_MICRO_BATCHES, schedule=s, m=32,
+                             batch=2 * _SIXTEEN_MICRO_BATCHES['batch'])
+                        for s in ('1f1b', 'zb_h1')],
     **{path: [_TapePath(*path, m=1), _TapePath(*path, m=16)]
        for path in _TAPE_PATHS},
 }
@@ -139,15 +143,27 @@ def test_1f1b_and_zb_h1_peak_memory_below_gpipe_at_16_micro_batches(
     peak_bytes):
   gpipe_peak, one_f_one_b_peak, zero_bubble_peak = peak_bytes['schedules']
   assert one_f_one_b_peak < 0.8 * gpipe_peak, (one_f_one_b_peak, gpipe_peak)
-  # ZB-H1 frees a micro-batch's activations at its W. It holds K micro-
-  # batches on every device where 1F1B holds K-k, and the devices share one
-  # allocator here, so its total is up to sum(K) / sum(K-k) = 1.6x 1F1B's.
+  # ZB-H1 frees a micro-batch's activations only at its W, so it holds K
+  # micro-batches on every device where 1F1B holds K-k: more than 1F1B in all
+  # (the devices share one allocator here), far less than GPipe's M.
   in_flight = [sum(schedule_lib.MaxInFlight(schedule_lib.MakeSchedule(
       name, 4, 16))) for name in ('zb_h1', '1f1b')]
   assert in_flight == [16, 10]
   assert zero_bubble_peak < 0.6 * gpipe_peak, (zero_bubble_peak, gpipe_peak)
-  assert zero_bubble_peak <= 1.2 * (16 / 10) * one_f_one_b_peak, (
-      zero_bubble_peak, one_f_one_b_peak)
+
+
+def test_1f1b_and_zb_h1_peak_memory_does_not_grow_with_micro_batches(
+    peak_bytes):
+  """Twice the micro-batches of one size: GPipe's peak doubles, theirs not.
+
+  This, not a ratio to each other, is what bounds them: 1F1B's peak alone
+  varies by a quarter between runs (the four devices' transients overlap or
+  not in the one allocator they share here).
+  """
+  for name, at_16, at_32 in zip(('1f1b', 'zb_h1'),
+                                peak_bytes['schedules'][1:],
+                                peak_bytes['schedules_at_32']):
+    assert at_32 < 1.3 * at_16, (name, at_32, at_16)
 
 
 @pytest.mark.parametrize('entry,traced,executor', _TAPE_PATHS)
