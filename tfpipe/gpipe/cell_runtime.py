@@ -287,7 +287,8 @@ class CellRuntime:
     single_threaded = self._SingleThreadedCall(function)
 
     def Run(*args):
-      with tf.device(self.device), _SingleThreaded(single_threaded):
+      # Imported ops, no calls: the executor is the caller's (_Call).
+      with tf.device(self.device):
         outputs = _List(split_backward.ImportCall(function, args, 'backward',
                                                   body))
         split = len(outputs) - num_weights
