@@ -107,8 +107,8 @@ _TAPE_PATHS = [('tape', True, 'graph'), ('tape', False, 'threads'),
                ('outer_tape', False, 'graph')]
 
 
-# One cell of eight 512 x 512 weights (1 MiB each) on a worker's executor.
-_ONE_CELL_BACKWARD = dict(dim=512, depth=8, batch=16, m=2, schedule='gpipe',
+# One cell of sixteen 512 x 512 weights (1 MiB each) on a worker's executor.
+_ONE_CELL_BACKWARD = dict(dim=512, depth=16, batch=16, schedule='gpipe',
                           cells=1, single_threaded=True)
 
 
@@ -129,8 +129,8 @@ _MEASURED = {
                         for s in ('1f1b', 'zb_h1')],
     **{path: [_TapePath(*path, m=1), _TapePath(*path, m=16)]
        for path in _TAPE_PATHS},
-    'one_cell_backward': [dict(_ONE_CELL_BACKWARD, remat=remat)
-                          for remat in ('never', 'always')],
+    'one_cell_backward': [dict(_ONE_CELL_BACKWARD, remat=remat, m=m)
+                          for m in (2, 4) for remat in ('never', 'always')],
 }
 
 
@@ -180,15 +180,22 @@ def test_1f1b_and_zb_h1_peak_memory_does_not_grow_with_micro_batches(
 def test_a_backward_on_a_workers_executor_adds_each_gradient_as_made(
     peak_bytes):
   """A worker's CPU runs each action on the single-threaded executor; its
-  backward must still add each weight gradient to its buffer as it is made.
+  backward must still add each weight gradient to its buffer as it is made,
+  and make the next one only then.
 
   As a call inside the accumulating call, the backward returned all of the
   cell's weight gradients at once, and held them all before adding the
-  first: the one-cell MLP's worker peaked 20 MiB higher.
+  first: the one-cell MLP's worker peaked 20 MiB higher. Imported, the
+  executor's one fixed order still made several before adding any (here
+  2.4-7.1 MiB of the 16 gradients' 16 MiB, by run; 1.2-2.2 in order).
   """
-  gradient_bytes = 8 * 512 * 512 * 4
-  for remat, peak in zip(('never', 'always'), peak_bytes['one_cell_backward']):
-    assert peak < 0.6 * gradient_bytes, (remat, peak / 2**20)
+  one_gradient = 512 * 512 * 4
+  peaks = peak_bytes['one_cell_backward']
+  configs = [(c['m'], c['remat']) for c in _MEASURED['one_cell_backward']]
+  # Two gradients at most (one being added, the next being made), and the
+  # activations of a micro-batch of 8 or 4 rows.
+  assert max(peaks) < 3 * one_gradient, [
+      (config, round(peak / 2**20, 2)) for config, peak in zip(configs, peaks)]
 
 
 @pytest.mark.parametrize('entry,traced,executor', _TAPE_PATHS)
