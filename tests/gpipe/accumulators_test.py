@@ -43,9 +43,10 @@ def test_one_at_a_time_makes_each_gradient_after_the_last_addition():
   """The single-threaded executor's one fixed order made several weight
   gradients before adding any; the chain makes it add each before making
   the next, and the buffers still hold the exact gradients."""
-  weights = [tf.Variable(tf.random.normal([4, 4], seed=i)) for i in range(3)]
+  # Each weight gradient (8 x 8) outweighs what making it reads (2 x 8 twice).
+  weights = [tf.Variable(tf.random.normal([8, 8], seed=i)) for i in range(3)]
   buffers = accumulators.GradientAccumulators('/CPU:0')
-  x = tf.random.normal([2, 4], seed=7)
+  x = tf.random.normal([2, 8], seed=7)
   graphs = []
 
   @tf.function(autograph=False)

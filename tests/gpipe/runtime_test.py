@@ -107,8 +107,8 @@ _TAPE_PATHS = [('tape', True, 'graph'), ('tape', False, 'threads'),
                ('outer_tape', False, 'graph')]
 
 
-# One cell of sixteen 512 x 512 weights (1 MiB each) on a worker's executor.
-_ONE_CELL_BACKWARD = dict(dim=512, depth=16, batch=16, schedule='gpipe',
+# One cell of 32 weights of 512 x 512 (1 MiB each) on a worker's executor.
+_ONE_CELL_BACKWARD = dict(dim=512, depth=32, batch=16, schedule='gpipe',
                           cells=1, single_threaded=True)
 
 
@@ -186,15 +186,16 @@ def test_a_backward_on_a_workers_executor_adds_each_gradient_as_made(
   As a call inside the accumulating call, the backward returned all of the
   cell's weight gradients at once, and held them all before adding the
   first: the one-cell MLP's worker peaked 20 MiB higher. Imported, the
-  executor's one fixed order still made several before adding any (here
-  2.4-7.1 MiB of the 16 gradients' 16 MiB, by run; 1.2-2.2 in order).
+  executor's one fixed order still made several before adding any: here
+  3.5-11.1 MiB of the 32 gradients' 32 MiB, by configuration and run, the
+  largest of the four 10.5-11.1 MiB; 1.6-2.6 MiB in order.
   """
   one_gradient = 512 * 512 * 4
   peaks = peak_bytes['one_cell_backward']
   configs = [(c['m'], c['remat']) for c in _MEASURED['one_cell_backward']]
-  # Two gradients at most (one being added, the next being made), and the
-  # activations of a micro-batch of 8 or 4 rows.
-  assert max(peaks) < 3 * one_gradient, [
+  # One gradient being added and the next being made, and the activations
+  # of a micro-batch of 8 or 4 rows: under 4 gradients.
+  assert max(peaks) < 4 * one_gradient, [
       (config, round(peak / 2**20, 2)) for config, peak in zip(configs, peaks)]
 
 

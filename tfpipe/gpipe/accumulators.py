@@ -98,11 +98,11 @@ def AddedOneAtATime(added):
   executor runs a function's ops in one fixed order, which need not add a
   gradient before it makes the next: a worker's one-cell MLP (five
   1024 x 1024 weights) held all five gradients before the first addition,
-  20 MiB. Here the ops that make a gradient and that the previous
-  addition does not need (so no cycle) wait for that addition, and at most
-  one weight gradient is alive beside the buffers. Only for that executor:
-  on the others, waiting would take away the gradients' parallel
-  computation.
+  20 MiB. Here the ops that make a gradient that outweighs what they read
+  wait for the additions before it, where those additions do not need them
+  (so no cycle): beside the buffers, one such gradient is being added and
+  the next being made. Only for that executor: on the others, waiting
+  would take away the gradients' parallel computation.
   """
   if len(added) < 2:
     return
@@ -110,14 +110,14 @@ def AddedOneAtATime(added):
   position = {op.name: i for i, op in enumerate(graph.get_operations())}
 
   def Made(gradient):
-    """The ops that make `gradient`'s tensors (an output's Identity
-    skipped: a function's outputs are made last, all together)."""
-    ops = []
+    """{op: the bytes of `gradient` it makes (None: not known)}, an
+    output's Identity skipped (a function's outputs are made last)."""
+    made = {}
     for t in tf.nest.flatten(gradient, expand_composites=True):
       while t.op.type == 'Identity':
         t = t.op.inputs[0]
-      ops.append(t.op)
-    return ops
+      made[t.op] = _Sum(made.get(t.op, 0), _Bytes(t))
+    return made
 
   def Ancestors(ops, stop=frozenset()):
     seen, stack = set(), list(ops)
@@ -134,17 +134,49 @@ def AddedOneAtATime(added):
   # What the additions so far need, grown as the chain is built: the ops
   # made to wait were none of it, so it stays each addition's ancestors
   # (one walk of the graph in all, not one per gradient).
-  needed = set()
+  needed, pending = set(), []
   for (_, update), (after, _) in zip(ordered, ordered[1:]):
+    pending.append(update)
     needed |= Ancestors([update], stop=needed)
-    own = Ancestors(Made(after), stop=needed)
+    # Waiting keeps what the gradient's ops read alive: worth it only where
+    # the gradient is the larger (a dense layer's weight gradient at a
+    # small micro-batch; not a convolution's filter gradient, whose
+    # activation and output gradient are larger: AmoebaNet-D's backward
+    # held 9 MiB more at micro-batch 64 when they waited too).
+    waiting = [op for op, made_bytes in Made(after).items()
+               if op.inputs and op.name not in needed and
+               _Outweighs(made_bytes, [_Bytes(t) for t in op.inputs])]
+    if not waiting:
+      continue
+    # Those ops' ancestors that no addition so far needs, and of those the
+    # ones that read none of the others: the rest wait through them, for
+    # every addition since the last wait.
+    own = Ancestors(waiting, stop=needed)
     for name in own:
       op = graph.get_operation_by_name(name)
       # The function's arguments and captures wait for nothing.
       if op.type != 'Placeholder' and not any(
           t.op.name in own for t in op.inputs) and not any(
               c.name in own for c in op.control_inputs):
-        op._add_control_inputs([update])  # pylint: disable=protected-access
+        op._add_control_inputs(pending)  # pylint: disable=protected-access
+    pending = []
+
+
+def _Outweighs(made_bytes, input_bytes):
+  """Whether a gradient of `made_bytes` is larger than the inputs it is
+  made from (False where a shape is not known)."""
+  return (made_bytes is not None and None not in input_bytes and
+          made_bytes > sum(input_bytes))
+
+
+def _Bytes(tensor):
+  """A tensor's bytes, or None if its shape is not fully known."""
+  count = tensor.shape.num_elements()
+  return None if count is None else count * tensor.dtype.size
+
+
+def _Sum(a, b):
+  return None if a is None or b is None else a + b
 
 
 class PassGradients:
