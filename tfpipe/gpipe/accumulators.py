@@ -60,8 +60,8 @@ class GradientAccumulators:
 
   def Add(self, variables, gradients, modes, one_at_a_time=False):
     """Ops taking each gradient as its mode says; with `one_at_a_time` (in
-    a graph), each gradient's ops also wait for the previous gradient's
-    addition (AddedOneAtATime).
+    a graph), a gradient larger than what its ops read is made only after
+    the additions before it (AddedOneAtATime).
 
     Returns (update ops, [the gradients of mode ONLY, as they are]).
     """
