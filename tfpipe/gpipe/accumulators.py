@@ -106,8 +106,8 @@ def AddedOneAtATime(added):
   """
   if len(added) < 2:
     return
-  graph = added[0][1].graph
-  position = {op.name: i for i, op in enumerate(graph.get_operations())}
+  position = {op: i for i, op in enumerate(
+      added[0][1].graph.get_operations())}
 
   def Made(gradient):
     """{op: the bytes of `gradient` it makes (None: not known)}, an
@@ -123,14 +123,14 @@ def AddedOneAtATime(added):
     seen, stack = set(), list(ops)
     while stack:
       op = stack.pop()
-      if op.name not in seen and op.name not in stop:
-        seen.add(op.name)
+      if op not in seen and op not in stop:
+        seen.add(op)
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     return seen
 
-  ordered = sorted(added, key=lambda pair: max(
-      position[op.name] for op in Made(pair[0])))
+  ordered = sorted(((Made(gradient), update) for gradient, update in added),
+                   key=lambda pair: max(position[op] for op in pair[0]))
   # What the additions so far need, grown as the chain is built: the ops
   # made to wait were none of it, so it stays each addition's ancestors
   # (one walk of the graph in all, not one per gradient).
@@ -143,8 +143,8 @@ def AddedOneAtATime(added):
     # small micro-batch; not a convolution's filter gradient, whose
     # activation and output gradient are larger: AmoebaNet-D's backward
     # held 9 MiB more at micro-batch 64 when they waited too).
-    waiting = [op for op, made_bytes in Made(after).items()
-               if op.inputs and op.name not in needed and
+    waiting = [op for op, made_bytes in after.items()
+               if op.inputs and op not in needed and
                _Outweighs(made_bytes, [_Bytes(t) for t in op.inputs])]
     if not waiting:
       continue
@@ -152,12 +152,11 @@ def AddedOneAtATime(added):
     # ones that read none of the others: the rest wait through them, for
     # every addition since the last wait.
     own = Ancestors(waiting, stop=needed)
-    for name in own:
-      op = graph.get_operation_by_name(name)
+    for op in own:
       # The function's arguments and captures wait for nothing.
       if op.type != 'Placeholder' and not any(
-          t.op.name in own for t in op.inputs) and not any(
-              c.name in own for c in op.control_inputs):
+          t.op in own for t in op.inputs) and not any(
+              c in own for c in op.control_inputs):
         op._add_control_inputs(pending)  # pylint: disable=protected-access
     pending = []
 
