@@ -308,3 +308,32 @@ def test_a_device_waits_for_the_outputs_of_its_previous_pure_forward():
   assert z.op.control_inputs, 'no ordering edge'
   assert all(Consumes(op, y) for op in z.op.control_inputs), [
       op.type for op in z.op.control_inputs]
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+def test_a_gradient_is_sent_on_only_once_its_taker_is_due(schedule):
+  """In one graph a receive pulls a tensor as soon as it is made, so a
+  device whose backwards are the slower would hold every gradient its
+  neighbour has sent. Each gradient handed to another device passes
+  through an identity on its sender that waits for data of the taker's
+  action before the one before its use."""
+  m = 4
+  pipe = _Pipeline(_LayerParams(4), 2, m, schedule=schedule)
+  x, y = _Data()
+  ref = pipe.ComputeLossAndGradients(x, y, _Loss)
+  step = tf.function(lambda x, y: pipe.ComputeLossAndGradients(x, y, _Loss))
+  graph = step.get_concrete_function(x, y).graph
+  devices = [cell.device for cell in pipe.runtime.cells[0]]
+  gated = [op for op in graph.get_operations()
+           if op.type == 'Identity' and op.control_inputs and
+           tf.DeviceSpec.from_string(op.device) ==
+           tf.DeviceSpec.from_string(devices[1])]
+  assert len(gated) == m, [op.name for op in gated]
+  for op in gated:
+    # Reads (OrderAfter's) of outputs of cell 0's device, placed there.
+    assert all(tf.DeviceSpec.from_string(c.device) ==
+               tf.DeviceSpec.from_string(devices[0])
+               for c in op.control_inputs), [c.device for c in op.control_inputs]
+  out = step(x, y)  # The same step, traced: exact as eager.
+  np.testing.assert_allclose(out.loss, ref.loss, rtol=1e-6)
+  _AssertAllClose(out.gradients, ref.gradients)

@@ -162,17 +162,51 @@ class Program:
     self.order.append((key, item))
 
 
+def HandOver(value, made_on, due_after):
+  """`value`, made on device `made_on`, sent on only once `due_after` (the
+  tokens of an action of the device that takes it) exist.
+
+  In one graph a receive has no inputs of its own, so it pulls a tensor
+  from its neighbour as soon as the neighbour has made it. A device whose
+  backwards are slower than its neighbour's would then hold every gradient
+  the neighbour has sent, up to M of them. Passed through an identity on
+  its own device that waits for the taker's action before the one before
+  its use, a gradient arrives while the taker runs the action right before
+  it: one at a time, as the memory model counts it, and still ahead of its
+  use, so the transfer overlaps that action. The sender holds it until
+  then, in place of the record its backward has just freed.
+  """
+  if not due_after or tf.executing_eagerly():
+    return value
+  # Not after the taker's previous action, which the caller's context
+  # orders this after: that would put the transfer on the critical path.
+  with tf.control_dependencies(None), OrderAfter(due_after), tf.device(
+      made_on):
+    return tf.nest.map_structure(
+        lambda t: tf.identity(t) if _IsData(t) else t, value)
+
+
 class _DictStore:
-  """Values handed between actions issued from one thread, in a valid order."""
+  """Values handed between actions issued from one thread, in a valid order.
+
+  `due_after` is set by the dispatcher before each action's Gather: the
+  tokens of its device's action before the one before (see HandOver).
+  """
 
   def __init__(self):
     self._items = {}
+    self.due_after = None
 
   def Put(self, key, value):
     self._items[key] = value
 
   def Take(self, key):
     return self._items.pop(key)
+
+  def TakeWhenDue(self, key, made_on):
+    """Takes a value made on device `made_on` for this action's device,
+    which receives it only during its action before this one."""
+    return HandOver(self.Take(key), made_on, self.due_after)
 
 
 class _Aborted(Exception):
@@ -200,6 +234,10 @@ class _Mailbox:
         self._condition.wait()
       return self._items.pop(key)
 
+  def TakeWhenDue(self, key, unused_made_on):
+    # Eager: the taker copies the value when it gathers it (OnDevice).
+    return self.Take(key)
+
   def Fail(self):
     with self._condition:
       self._failed = True
@@ -222,6 +260,9 @@ class _HeldStore:
 
   def Take(self, key):
     return self._store.Take(key)
+
+  def TakeWhenDue(self, key, made_on):
+    return self._store.TakeWhenDue(key, made_on)
 
   def Release(self):
     for key, value in self._held:
@@ -270,8 +311,10 @@ class Inline:
     store = _DictStore()
     timer = _Timer() if record_times else None
     last = {}
+    before_last = {}
     for key, item in program.order:
       device = program.devices[key][0]
+      store.due_after = before_last.get(key)
       with tf.device(device), OrderAfter(last.get(key)):
         args = step.Gather(item, store)
         if timer is None:
@@ -279,6 +322,7 @@ class Inline:
         else:
           done = timer.Run(item, device, args, last.get(key), store,
                            lambda st: step.Execute(item, args, st))  # pylint: disable=cell-var-from-loop
+      before_last[key] = last.get(key)
       last[key] = list(done)
     self.last_tokens = [t for tokens in last.values() for t in tokens]
     return timer.times if timer else None

@@ -32,15 +32,15 @@ Measured on AmoebaNet-D K=4's capped workers against each device's median
 of three runs: 14 of 18 configurations within 15% with it, 12 without;
 over every stored run of the grid, the H200's included, 399 of 486 rows
 against 389; the whole grid measured after the rule was chosen, 151 of 162
-(benchmarks/RESULTS.md). Received gradients arrive the same way, but how
-many wait depends on the devices' speeds: counted all that the schedule
-allows, or timed by the profile, they over-predicted. So a gradient counts
-during the action before its backward only (where the schedule allows it
-there): the one a device that is not the slower one still holds. On the
-grid's stored peaks of 2026-11-28, 144 of 162 with it, 143 without (137
-counting all); AmoebaNet-D K=2 with remat against the medians of three
-runs, 4 of 4 (3 without). GPipe with remat at M>1 can still be
-under-predicted on its first devices, when their backwards are the slower.
+(benchmarks/RESULTS.md). Received gradients do not arrive that way: the
+runtime sends one on only once the taker's action before the one before
+its backward has ended (dispatch.HandOver), so it counts during the action
+before its backward, and on its sender, which holds it until then, through
+every later action the schedule does not order after the taker's. Before,
+a device whose backwards were the slower held every gradient its
+neighbour had made (counting them all, or timing them by the profile,
+over-predicted the others; measured on two workers, 7 layers of 1024
+against 1, GPipe M=8: the first device's peak 56-72 MiB, 48-56 with it).
 
 The last cell's F and B run as one call when B comes right after F (the
 runtime's fused call: no recompute, nothing kept). Inputs and targets of the
@@ -252,6 +252,8 @@ class DevicePeak:
     kept_bytes: that state: the inputs they keep and what their F kept.
     ahead_bytes: inputs and gradients received then for actions still to
       come.
+    sending_bytes: input gradients its backwards made, held until the
+      device before is due to use them (dispatch.HandOver).
     transient_bytes: the working set of the action running at the peak,
       with the gradient it received.
     action: that action ('F3.1', 'B0.2', or 'update').
@@ -269,6 +271,7 @@ class DevicePeak:
   in_flight: int = 0
   kept_bytes: float = 0.0
   ahead_bytes: float = 0.0
+  sending_bytes: float = 0.0
   transient_bytes: float = 0.0
   action: str = ''
 
@@ -284,6 +287,7 @@ class DevicePeak:
              ('gradients', self.gradient_bytes),
              (f'{self.in_flight} micro-batch(es) in flight', self.kept_bytes),
              ('received ahead', self.ahead_bytes),
+             ('gradients to send', self.sending_bytes),
              (f'{self.action} working set', self.transient_bytes)]
     return (f'{self.peak_bytes / mib:.1f} MiB at {self.action} = ' + ' + '.join(
         f'{name} {value / mib:.1f}' for name, value in parts
@@ -367,11 +371,11 @@ class _DeviceWalk:
     self.best = None
     self.Consider(0.0, 'start')
 
-  def Consider(self, transient, action, ahead=0.0):
-    total = self.base + self.gradients + self.kept + ahead + transient
+  def Consider(self, transient, action, ahead=0.0, sending=0.0):
+    total = self.base + self.gradients + self.kept + ahead + sending + transient
     if self.best is None or total > self.best[0]:
       self.best = (total, self.gradients, len(self.held), self.kept, ahead,
-                   transient, action)
+                   sending, transient, action)
 
   def Keep(self, key, value):
     self.held[key] = value
@@ -385,8 +389,8 @@ class _DeviceWalk:
 
   def Result(self):
     (self.peak.peak_bytes, self.peak.gradient_bytes, self.peak.in_flight,
-     self.peak.kept_bytes, self.peak.ahead_bytes, self.peak.transient_bytes,
-     self.peak.action) = self.best
+     self.peak.kept_bytes, self.peak.ahead_bytes, self.peak.sending_bytes,
+     self.peak.transient_bytes, self.peak.action) = self.best
     return self.peak
 
 
@@ -426,6 +430,34 @@ def _ReceivedAhead(sched, device, cell_at, sizes):
   return ahead
 
 
+def _HeldToSend(sched, device, cell_at, sizes):
+  """Per action of the device, in its order: the input gradients its
+  backwards have made and still hold for another device. The runtime sends
+  one only once the taker's action before the one before its use has ended
+  (dispatch.HandOver), so it is held through every later action of this
+  device that the schedule does not order after that one."""
+  acts = sched.device_actions[device]
+  clocks = schedule_lib.LatestAncestors(sched)
+  held = [0.0] * len(acts)
+  for b, a in enumerate(acts):
+    if a.kind != schedule_lib.BACKWARD or a.cell == 0:
+      continue
+    taker = sched.device_of_cell[a.cell - 1]
+    if taker == device:
+      continue
+    use = schedule_lib.Action(schedule_lib.BACKWARD, a.micro_batch,
+                              a.cell - 1)
+    due = sched.device_actions[taker].index(use) - 2
+    if due < 0:
+      continue  # Sent at once: the taker has no action to wait for.
+    size = cell_at(a.cell, sizes[a.micro_batch]).input_gradient_bytes
+    for i in range(b + 1, len(acts)):
+      if clocks[acts[i]][taker] >= due:
+        break
+      held[i] += size
+  return held
+
+
 def WalkDevice(sched, device, cell_at, step):
   """The DevicePeak of one device of a schedule.
 
@@ -462,7 +494,8 @@ def WalkDevice(sched, device, cell_at, step):
                      peak.optimizer_bytes + peak.other_bytes +
                      peak.slack_bytes + peak.batch_bytes)
   ahead = _ReceivedAhead(sched, device, cell_at, sizes)
-  for a, early in zip(acts, ahead):
+  sending = _HeldToSend(sched, device, cell_at, sizes)
+  for a, early, held_to_send in zip(acts, ahead, sending):
     k, m = a.cell, a.micro_batch
     c = cell_at(k, sizes[m])
     # Cell 0's input is a slice of the batch, already counted.
@@ -473,16 +506,19 @@ def WalkDevice(sched, device, cell_at, step):
                               step.num_micro_batches) else NO_REMAT
     if k == last and m in fused:
       if a.kind == schedule_lib.FORWARD:
-        walk.Consider(received + c.fused_peak + dx, str(a), early)
+        walk.Consider(received + c.fused_peak + dx, str(a), early,
+                      held_to_send)
         if only:
           walk.KeepGradients(c.variable_bytes)
     elif a.kind == schedule_lib.FORWARD:
-      walk.Consider(received + c.forward_peak[mode], str(a), early)
+      walk.Consider(received + c.forward_peak[mode], str(a), early,
+                    held_to_send)
       held = c.kept_input.get(mode, received) if k > 0 else 0.0
       walk.Keep((k, m), held + c.kept[mode])
     else:
       incoming = c.output_gradient_bytes if k < last else 0.0
-      walk.Consider(incoming + c.backward_peak[mode] + dx, str(a), early)
+      walk.Consider(incoming + c.backward_peak[mode] + dx, str(a), early,
+                    held_to_send)
       walk.Free((k, m))
       if only:
         walk.KeepGradients(c.variable_bytes)

@@ -168,7 +168,11 @@ class _Step:
     if kind == schedule_lib.WEIGHT:
       return None  # W needs only what B kept on this device.
     if k < self._last:
-      return OnDevice(store.Take(('dy', r, m, k + 1)), device)
+      made_on = self._Cell(r, k + 1).device
+      key = ('dy', r, m, k + 1)
+      dy = (store.Take(key) if made_on == device else
+            store.TakeWhenDue(key, made_on))
+      return OnDevice(dy, device)
     if self.loss_fn is None:
       return OnDevice(self.output_gradients[(r, m)], device)
     return None  # The backward starts from the loss.
