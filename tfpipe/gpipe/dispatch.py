@@ -11,7 +11,9 @@ is done. There are two dispatchers:
            graph, each action waits for its device's previous action's
            outputs (OrderAfter), so the runtime keeps each device's order (which
            is what bounds 1F1B's memory) while different devices can still
-           run at the same time. This is the dispatcher for accelerators,
+           run at the same time. A gradient for another device is sent
+           on only when that device is one action from using it
+           (HandOver). This is the dispatcher for accelerators,
            whose runtimes overlap independent work of one graph, and the only
            one inside a tf.function.
   Threads  one Python thread per device (a replica's device, for replicas),
@@ -168,7 +170,7 @@ def HandOver(value, made_on, due_after):
 
   In one graph a receive has no inputs of its own, so it pulls a tensor
   from its neighbour as soon as the neighbour has made it. A device whose
-  backwards are slower than its neighbour's would then hold every gradient
+  backwards are slower than its neighbour's could then hold every gradient
   the neighbour has sent, up to M of them. Passed through an identity on
   its own device that waits for the taker's action before the one before
   its use, a gradient arrives while the taker runs the action right before
