@@ -265,6 +265,32 @@ def test_a_gradient_is_received_during_the_action_before_its_backward():
   assert _Ahead('gpipe', 4, 1)[1][4:] == [0, 0, 0, 0]
 
 
+def _HeldToSend(schedule, m, device, num_cells=2, n=4):
+  step = memory_model.StepConfig(schedule, m, n * m, 'always')
+  sched = memory_model.MakeSchedule(step, num_cells)
+  cells = _Profiles(num_cells)
+  held = memory_model._HeldToSend(  # pylint: disable=protected-access
+      sched, device, lambda k, size: cells[k].At(size), [n] * m)
+  return [str(a) for a in sched.device_actions[device]], [
+      x / (n * MIB // 8) for x in held]
+
+
+def test_a_sender_holds_a_gradient_until_its_taker_is_due():
+  """The runtime sends a gradient on only once its taker has ended the
+  action before the one before its backward (dispatch.HandOver), so the
+  sender holds it through its later actions that the schedule does not
+  order after that one (in input gradients of 0.5 MiB here)."""
+  # GPipe: B1.1's gradient waits for B3.0, which B0.1 need not follow.
+  names, held = _HeldToSend('gpipe', 4, 1)
+  assert names[4:] == ['B3.1', 'B2.1', 'B1.1', 'B0.1']
+  assert held == [0, 0, 0, 0, 0, 0, 0, 1]
+  # 1F1B: each later forward of device 1 follows its taker's due action.
+  assert _HeldToSend('1f1b', 4, 1)[1] == [0] * 8
+  # The first device sends nothing; nor does one micro-batch.
+  assert _HeldToSend('gpipe', 4, 0)[1] == [0] * 8
+  assert _HeldToSend('gpipe', 1, 1)[1] == [0, 0]
+
+
 def test_a_peak_holds_the_inputs_received_ahead_of_it():
   """1F1B on two devices: the last device runs each micro-batch as one
   fused call, and while it does, the next micro-batch's 4 MiB input may

@@ -176,7 +176,7 @@ def HandOver(value, made_on, due_after):
   its use, a gradient arrives while the taker runs the action right before
   it: one at a time, as the memory model counts it, and still ahead of its
   use, so the transfer overlaps that action. The sender holds it until
-  then, in place of the record its backward has just freed.
+  then (memory_model counts it there).
   """
   if not due_after or tf.executing_eagerly():
     return value
