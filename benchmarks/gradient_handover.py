@@ -45,8 +45,8 @@ CONFIGURATIONS = ('hand-over', 'at once')
 
 
 def _Measure(hand_over):
-  """[(per-device peak over the step's start in MiB, seconds)] per step,
-  over --trials sets of fresh workers."""
+  """[(per-device peak over the step's start in MiB, seconds)] per step, on
+  one set of fresh workers."""
   # pylint: disable=g-import-not-at-top
   from benchmarks import bench_lib
   from benchmarks import capped_workers
@@ -63,35 +63,30 @@ def _Measure(hand_over):
   # gradient goes to its taker as soon as it is made.
   dispatch.HandOver = original if hand_over else (lambda value, *_: value)
   steps = []
+  workers = capped_workers.CappedWorkers(2, owner='gradient_handover')
   try:
-    for _ in range(FLAGS.trials):
-      workers = capped_workers.CappedWorkers(2, owner='gradient_handover')
-      try:
-        workers.Connect()
-        cells = gpipe.PartitionSequentialLayers(
-            params, 2, balance=[FLAGS.slow_layers, 1])
-        pipe = gpipe.PipeliningLayer.Params().Set(
-            name='pipe', cell_tpl=cells,
-            num_micro_batches=FLAGS.num_micro_batches,
-            devices=workers.devices, schedule=FLAGS.schedule,
-            remat_policy=FLAGS.remat_policy).Instantiate()
-        x = tf.random.stateless_normal(
-            [FLAGS.micro_batch * FLAGS.num_micro_batches, FLAGS.dim], [1, 2])
-        step = tf.function(lambda x: pipe.ComputeLossAndGradients(  # pylint: disable=cell-var-from-loop
-            x, None, bench_lib.Loss).loss)
-        float(step(x))  # Traced, and the workers' first allocations made.
-        for _ in range(FLAGS.steps):
-          workers.Reset()
-          start = workers.Current()
-          t = time.perf_counter()
-          float(step(x))
-          seconds = time.perf_counter() - t
-          steps.append(([(p - s) / _MIB for p, s in zip(workers.Peaks(),
-                                                        start)], seconds))
-        del pipe, step
-      finally:
-        workers.Close()
+    workers.Connect()
+    cells = gpipe.PartitionSequentialLayers(
+        params, 2, balance=[FLAGS.slow_layers, 1])
+    pipe = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=FLAGS.num_micro_batches,
+        devices=workers.devices, schedule=FLAGS.schedule,
+        remat_policy=FLAGS.remat_policy).Instantiate()
+    x = tf.random.stateless_normal(
+        [FLAGS.micro_batch * FLAGS.num_micro_batches, FLAGS.dim], [1, 2])
+    step = tf.function(
+        lambda x: pipe.ComputeLossAndGradients(x, None, bench_lib.Loss).loss)
+    float(step(x))  # Traced, and the workers' first allocations made.
+    for _ in range(FLAGS.steps):
+      workers.Reset()
+      start = workers.Current()
+      t = time.perf_counter()
+      float(step(x))
+      seconds = time.perf_counter() - t
+      steps.append(([(p - s) / _MIB for p, s in zip(workers.Peaks(), start)],
+                    seconds))
   finally:
+    workers.Close()
     dispatch.HandOver = original
   return steps
 
@@ -108,12 +103,9 @@ def main(argv):
   from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
   results = {name: [] for name in CONFIGURATIONS}
   # Alternated, one trial at a time, so both see the same machine.
-  trials = FLAGS.trials
-  FLAGS.trials = 1
-  for _ in range(trials):
+  for _ in range(FLAGS.trials):
     for name in CONFIGURATIONS:
       results[name] += _Measure(name == 'hand-over')
-  FLAGS.trials = trials
   watchdog.cancel()
   gradient_mib = FLAGS.micro_batch * FLAGS.dim * 4 / _MIB
   print(f'\nTwo workers: cell 0 {FLAGS.slow_layers} x FC({FLAGS.dim}), cell '
