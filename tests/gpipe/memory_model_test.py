@@ -214,14 +214,20 @@ def test_interleaved_placement_sums_a_devices_cells():
   assert peaks[0].variable_bytes == 2 * MIB
 
 
-def _Ahead(schedule, m, device, num_cells=2, n=4):
+def _PerAction(count, schedule, m, device, num_cells=2, n=4):
+  """The device's action names, and `count`'s bytes at each of them in
+  tensors of n/8 MiB (a boundary tensor of _Cell(n))."""
   step = memory_model.StepConfig(schedule, m, n * m, 'always')
   sched = memory_model.MakeSchedule(step, num_cells)
   cells = _Profiles(num_cells)
-  ahead = memory_model._ReceivedAhead(  # pylint: disable=protected-access
-      sched, device, lambda k, size: cells[k].At(size), [n] * m)
+  per_action = count(sched, device, lambda k, size: cells[k].At(size),
+                     [n] * m)
   return [str(a) for a in sched.device_actions[device]], [
-      x / (n * MIB // 8) for x in ahead]
+      x / (n * MIB // 8) for x in per_action]
+
+
+def _Ahead(*args):
+  return _PerAction(memory_model._ReceivedAhead, *args)  # pylint: disable=protected-access
 
 
 def test_inputs_are_received_ahead_of_their_forward_as_the_order_allows():
@@ -265,14 +271,8 @@ def test_a_gradient_is_received_during_the_action_before_its_backward():
   assert _Ahead('gpipe', 4, 1)[1][4:] == [0, 0, 0, 0]
 
 
-def _HeldToSend(schedule, m, device, num_cells=2, n=4):
-  step = memory_model.StepConfig(schedule, m, n * m, 'always')
-  sched = memory_model.MakeSchedule(step, num_cells)
-  cells = _Profiles(num_cells)
-  held = memory_model._HeldToSend(  # pylint: disable=protected-access
-      sched, device, lambda k, size: cells[k].At(size), [n] * m)
-  return [str(a) for a in sched.device_actions[device]], [
-      x / (n * MIB // 8) for x in held]
+def _HeldToSend(*args):
+  return _PerAction(memory_model._HeldToSend, *args)  # pylint: disable=protected-access
 
 
 def test_a_sender_holds_a_gradient_until_its_taker_is_due():
