@@ -137,7 +137,8 @@ def test_a_launcher_removes_its_workers_reports_except_the_evidence(
   victim = tmp_path / 'victim'
   victim.write_text('')
   (tmp_path / 'worker-2.jsonl').symlink_to(victim)
-  out_of_memory_reports.RemoveReports(jobs)
+  assert out_of_memory_reports.RemoveReports(jobs) == [
+      str(tmp_path / 'worker-0.jsonl')]
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       'victim', 'worker-0.jsonl', 'worker-2.jsonl']
   # A worker whose empty report went makes it again with its next record.
@@ -145,7 +146,7 @@ def test_a_launcher_removes_its_workers_reports_except_the_evidence(
   assert out_of_memory_reports.LocalReport(
       '/job:worker/task:1', jobs['worker'][1]) == [record]
   # A benchmark that has read its workers' reports keeps none of them.
-  out_of_memory_reports.RemoveReports(jobs, keep_records=False)
+  assert out_of_memory_reports.RemoveReports(jobs, keep_records=False) == []
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       'victim', 'worker-2.jsonl']
   assert victim.exists()

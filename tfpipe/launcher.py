@@ -49,6 +49,7 @@ from tfpipe import command_line
 from tfpipe import local_cluster
 from tfpipe import multihost
 from tfpipe import network_namespace
+from tfpipe import out_of_memory
 from tfpipe import out_of_memory_reports
 
 flags.DEFINE_integer('num_workers', 2, 'Worker processes to start.')
@@ -187,6 +188,7 @@ def ControllerMemoryArgs(controller_args):
 def Launch(controller_args):
   """Starts the workers, then the controller; returns the exit status."""
   global _controller
+  code = None
   num_workers = FLAGS.num_workers
   if num_workers < 1:
     raise app.UsageError(f'--num_workers={num_workers}; give at least 1.')
@@ -218,10 +220,21 @@ def Launch(controller_args):
         f'--job={cluster_spec.CONTROLLER_JOB}', f'--cluster_spec={spec_text}',
         *DeviceArgs(controller_args), *ControllerMemoryArgs(controller_args),
         *VerbosityArgs(controller_args)] + list(controller_args))
-    return _Supervise(controller, workers)
+    code = _Supervise(controller, workers)
+    return code
   finally:
     children.Close()
-    out_of_memory_reports.RemoveReports(jobs)
+    _RemoveReports(jobs, code)
+
+
+def _RemoveReports(jobs, code):
+  """Removes the workers' out-of-memory reports; those with records stay,
+  named, unless the controller said it ran out of memory (`code`)."""
+  kept = out_of_memory_reports.RemoveReports(
+      jobs, keep_records=code != out_of_memory.EXIT_OUT_OF_MEMORY)
+  for path in kept:
+    print(f'launcher: a worker\'s allocator refused memory; its records '
+          f'are kept in {path}.', flush=True)
 
 
 def _Supervise(controller, workers):

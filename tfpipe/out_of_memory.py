@@ -43,6 +43,10 @@ import threading
 import time
 
 LOG_LEVEL_ENV = 'TF_CPP_MIN_LOG_LEVEL'
+# Exit status of a run that stopped because a device ran out of memory (or
+# that --plan=auto found nothing that fits), having said so. 1 is every
+# other stop, 3 a lost worker. Here, without TensorFlow, for the launcher.
+EXIT_OUT_OF_MEMORY = 4
 
 _OOM = re.compile(r'OOM when allocating tensor with shape\[([^\]]*)\] and '
                   r'type (\w+) on (\S+) by allocator (\S+)')

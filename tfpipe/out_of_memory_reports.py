@@ -21,9 +21,10 @@ only as a regular file of this user, never through a link
 (`_OpenOwnFile`). A report that holds no record is removed when its log
 ends (by its reader) or when its workers are gone (`RemoveReports`, by a
 launcher, whose SIGKILL to a worker's process group ends the reader too),
-so a run that never ran out of memory leaves nothing in /tmp; one
-that holds records stays, as the evidence its controller reads, until the
-next worker at that address starts.
+so a run that never ran out of memory leaves nothing in /tmp. One that
+holds records goes too once its controller has said it ran out of memory
+(a launcher's, exit status EXIT_OUT_OF_MEMORY); otherwise it stays, as the
+evidence, and the launcher names it.
 """
 
 import atexit
@@ -206,26 +207,36 @@ def _Remove(path):
 def _RemoveOwn(path, only_empty=True):
   """Removes `path` if it is a regular file of this user's (a link or
   another user's file stays), and with `only_empty` if it is empty. A
-  worker that still writes to it makes it again with its next record."""
+  worker that still writes to it makes it again with its next record.
+  Returns whether a file of this user's with records stays."""
   try:
     st = os.lstat(path)
   except OSError:
-    return
-  if (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and
-      (st.st_size == 0 or not only_empty)):
+    return False
+  if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+    return False
+  if st.st_size == 0 or not only_empty:
     _Remove(path)
+    return False
+  return True
 
 
 def RemoveReports(jobs, keep_records=True):
   """Removes the reports of the workers of `jobs` ({job: [address]}) on
-  this host, once they are gone: a launcher keeps those with records, as
-  the evidence; a benchmark that has read them (Refusals) keeps none."""
+  this host, once they are gone, and returns the paths of those kept: with
+  `keep_records`, those that hold records, as the only evidence of a run
+  whose controller did not say it ran out of memory; without, none (a
+  controller or benchmark has read them)."""
   from tfpipe import cluster_spec  # pylint: disable=g-import-not-at-top
+  kept = []
   for job, addresses in jobs.items():
     if job == cluster_spec.CONTROLLER_JOB:
       continue
     for task, address in enumerate(addresses):
-      _RemoveOwn(ReportPath(job, task, address), only_empty=keep_records)
+      path = ReportPath(job, task, address)
+      if _RemoveOwn(path, only_empty=keep_records):
+        kept.append(path)
+  return kept
 
 
 def StartWorkerReport(job, task, cluster_spec_text, show_all,

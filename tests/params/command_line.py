@@ -1,10 +1,14 @@
 """Runs the trainer's command line in a subprocess, as a user would, for config tests.
 
-Each config test declares its run when its module is imported (Declare);
-the first test that needs a run's output (Stdout) starts every declared
-run that has not started, so they train side by side: a run uses about one
-core while TensorFlow starts and traces, and CI has two. A run nobody asked
-for (its test deselected) is killed when pytest exits.
+Each config test declares its run when its module is imported (Declare).
+Run serially, the first test that needs a run's output (Stdout) starts
+every declared run that has not started, so they train side by side: a run
+uses about one core while TensorFlow starts and traces, and CI has two. A
+run nobody asked for (its test deselected) is killed when pytest exits.
+Under pytest-xdist every worker imports every module but runs only some of
+them, so a test starts its own run only: the workers are the side by side.
+A run's logdir goes as soon as its output is read, not at exit, which an
+xdist worker may not reach.
 """
 # bazel: deps=//params,//tfpipe/trainer:__main__
 
@@ -18,7 +22,7 @@ from tests import quiet_test
 _TIMEOUT_S = 300
 _DECLARED = {}  # name -> the run's trainer flags
 _STARTED = {}  # name -> quiet_test.Started
-_LOGDIRS = []
+_LOGDIRS = {}  # name -> the logdir of a run whose output is unread
 
 
 def Declare(name, *flags):
@@ -29,7 +33,7 @@ def Declare(name, *flags):
 
 def _Start(name):
   logdir = tempfile.mkdtemp(prefix=f'tfpipe_params_{name}_')
-  _LOGDIRS.append(logdir)
+  _LOGDIRS[name] = logdir
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
   _STARTED[name] = quiet_test.Started(
       '-m', 'tfpipe.trainer', f'--logdir={logdir}', '--run_locally=cpu',
@@ -39,10 +43,16 @@ def _Start(name):
 
 def Stdout(name):
   """The stdout of the declared run `name`, which must succeed."""
+  side_by_side = 'PYTEST_XDIST_WORKER' not in os.environ
   for other in _DECLARED:
-    if other not in _STARTED:
+    if other not in _STARTED and (side_by_side or other == name):
       _Start(other)
-  out = _STARTED[name].Result()
+  try:
+    out = _STARTED[name].Result()
+  finally:
+    logdir = _LOGDIRS.pop(name, None)
+    if logdir:
+      shutil.rmtree(logdir, ignore_errors=True)
   assert out.returncode == 0, out.stdout + out.stderr
   return out.stdout
 
@@ -51,7 +61,7 @@ def Stdout(name):
 def _Close():
   for started in _STARTED.values():
     started.Kill()
-  for logdir in _LOGDIRS:
+  for logdir in _LOGDIRS.values():
     shutil.rmtree(logdir, ignore_errors=True)
 
 

@@ -28,10 +28,7 @@ from tfpipe import memory_limit
 from tfpipe import out_of_memory
 from tfpipe import out_of_memory_reports
 
-# Exit status of a run that stopped because a device ran out of memory (or
-# that --plan=auto found nothing that fits). 1 is every other stop, 3 a lost
-# worker.
-EXIT_OUT_OF_MEMORY = 4
+EXIT_OUT_OF_MEMORY = out_of_memory.EXIT_OUT_OF_MEMORY
 MIB = 2**20
 # Seconds the memory model's prediction may take in the message about a
 # crashed worker (multihost.EXPLAIN_TIMEOUT_S bounds the whole message).
