@@ -393,27 +393,3 @@ def test_the_launcher_starts_without_loading_tensorflow():
                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(
                      __file__))))
 
-
-def test_a_workers_records_stay_named_unless_the_controller_said_them(
-    tmp_path, monkeypatch, capsys):
-  """An out-of-memory stop (status 4) has said what the records hold, so
-  they go; after any other end they are the only evidence, and the launcher
-  says where they are. Empty reports always go."""
-  from tfpipe import launcher  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(
-      out_of_memory_reports, 'ReportPath',
-      lambda job, task, address: str(tmp_path / f'{job}-{task}.jsonl'))
-  jobs = {'worker': ['127.0.0.1:1', '127.0.0.1:2'],
-          'controller': ['127.0.0.1:3']}
-  for code in (1, None, 4):
-    (tmp_path / 'worker-0.jsonl').write_text('{"op": "MatMul"}\n')
-    (tmp_path / 'worker-1.jsonl').write_text('')
-    launcher._RemoveReports(jobs, code)  # pylint: disable=protected-access
-    said = capsys.readouterr().out
-    if code == 4:
-      assert not list(tmp_path.iterdir())
-      assert said == ''
-    else:
-      assert [p.name for p in tmp_path.iterdir()] == ['worker-0.jsonl']
-      assert said == (f"launcher: a worker's allocator refused memory; its "
-                      f"records are kept in {tmp_path}/worker-0.jsonl.\n")

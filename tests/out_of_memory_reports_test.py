@@ -215,3 +215,27 @@ def test_a_link_at_a_reports_path_is_neither_written_through_nor_read(
   planted.write_text(victim.read_text())
   assert out_of_memory_reports.LocalReport('/job:worker/task:0',
                                    '127.0.0.1:2222') == [record]
+
+
+def test_after_a_run_records_go_only_if_the_controller_said_them(
+    tmp_path, monkeypatch):
+  """An out-of-memory stop (status 4) has said what the records hold, so
+  they go; after any other end (or none) they are the only evidence, and
+  stay for the launcher to name. Empty reports always go."""
+  monkeypatch.setattr(
+      out_of_memory_reports, 'ReportPath',
+      lambda job, task, address: str(tmp_path / f'{job}-{task}.jsonl'))
+  jobs = {'worker': ['127.0.0.1:1', '127.0.0.1:2'],
+          'controller': ['127.0.0.1:3']}
+  [record] = out_of_memory.ParseRecords(RAN_OUT_LINE + '\n' + OOM_LINE)
+  for status in (1, None, out_of_memory.EXIT_OUT_OF_MEMORY):
+    out_of_memory_reports.WorkerReport(
+        'worker', 0, jobs['worker'][0])._Write(record)  # pylint: disable=protected-access
+    out_of_memory_reports.WorkerReport('worker', 1, jobs['worker'][1])
+    kept = out_of_memory_reports.RemoveAfterRun(jobs, status)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    if status == out_of_memory.EXIT_OUT_OF_MEMORY:
+      assert (kept, left) == ([], [])
+    else:
+      assert (kept, left) == ([str(tmp_path / 'worker-0.jsonl')],
+                              ['worker-0.jsonl'])

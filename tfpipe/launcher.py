@@ -49,7 +49,6 @@ from tfpipe import command_line
 from tfpipe import local_cluster
 from tfpipe import multihost
 from tfpipe import network_namespace
-from tfpipe import out_of_memory
 from tfpipe import out_of_memory_reports
 
 flags.DEFINE_integer('num_workers', 2, 'Worker processes to start.')
@@ -228,11 +227,8 @@ def Launch(controller_args):
 
 
 def _RemoveReports(jobs, code):
-  """Removes the workers' out-of-memory reports; those with records stay,
-  named, unless the controller said it ran out of memory (`code`)."""
-  kept = out_of_memory_reports.RemoveReports(
-      jobs, keep_records=code != out_of_memory.EXIT_OUT_OF_MEMORY)
-  for path in kept:
+  """Removes the workers' out-of-memory reports and names those kept."""
+  for path in out_of_memory_reports.RemoveAfterRun(jobs, code):
     print(f'launcher: a worker\'s allocator refused memory; its records '
           f'are kept in {path}.', flush=True)
 

@@ -239,6 +239,15 @@ def RemoveReports(jobs, keep_records=True):
   return kept
 
 
+def RemoveAfterRun(jobs, exit_status):
+  """RemoveReports once a launcher's controller has exited with
+  `exit_status` (None: it never did): reports with records go too when it
+  said it ran out of memory (EXIT_OUT_OF_MEMORY), whose error said what
+  they hold. Returns the paths kept, for the launcher to name."""
+  return RemoveReports(
+      jobs, keep_records=exit_status != out_of_memory.EXIT_OUT_OF_MEMORY)
+
+
 def StartWorkerReport(job, task, cluster_spec_text, show_all,
                       environ=None):
   """A worker's WorkerReport, started before TensorFlow (None if this
