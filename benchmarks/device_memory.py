@@ -39,7 +39,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 from absl import app
@@ -146,12 +145,8 @@ def main(argv):
   del argv
   network_namespace.EnterLoopbackNamespace('benchmarks.device_memory',
                                            sys.argv)
-  watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (
-      print('watchdog: run too long; stopping.', flush=True),
-      [w.Close() for w in _WORKERS],
-      process_exit.ExitNow(3)))
-  watchdog.daemon = True
-  watchdog.start()
+  watchdog = process_exit.ExitAfter(FLAGS.total_timeout_s,
+                                    lambda: [w.Close() for w in _WORKERS])
   if FLAGS.measure_row:
     _MeasureRow()
     return

@@ -16,7 +16,6 @@ step time, configurations alternated.
 
 import statistics
 import sys
-import threading
 import time
 
 from absl import app
@@ -95,11 +94,7 @@ def main(argv):
   del argv
   network_namespace.EnterLoopbackNamespace('benchmarks.gradient_handover',
                                            sys.argv)
-  watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (
-      print('watchdog: run too long; stopping.', flush=True),
-      process_exit.ExitNow(3)))
-  watchdog.daemon = True
-  watchdog.start()
+  watchdog = process_exit.ExitAfter(FLAGS.total_timeout_s)
   from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top
   results = {name: [] for name in CONFIGURATIONS}
   # Alternated, one trial at a time, so both see the same machine.

@@ -52,7 +52,6 @@ import gc
 import json
 import os
 import sys
-import threading
 import time
 
 os.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'
@@ -505,11 +504,7 @@ def main(argv):
                            'predicts the stored rows: drop one of them.')
     network_namespace.EnterLoopbackNamespace(
         'benchmarks.memory_model_accuracy', sys.argv)
-  watchdog = threading.Timer(FLAGS.total_timeout_s, lambda: (
-      print('watchdog: run too long; stopping.', flush=True),
-      process_exit.ExitNow(3)))
-  watchdog.daemon = True
-  watchdog.start()
+  watchdog = process_exit.ExitAfter(FLAGS.total_timeout_s)
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
   from benchmarks import bench_lib  # pylint: disable=g-import-not-at-top

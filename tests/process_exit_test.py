@@ -69,3 +69,20 @@ def test_the_exit_status_is_kept(tmp_path):
   proc, left = _Run(tmp_path, 'exit_now', 4)
   assert proc.returncode == 4, proc.stderr[-2000:]
   assert left == []
+
+
+def test_a_watchdog_says_so_stops_what_outlives_it_and_exits_3():
+  """ExitAfter ends a process that would otherwise hang, with status 3,
+  after its `before_exit` (a benchmark's workers) has run."""
+  code = textwrap.dedent('''
+      import time
+      from tfpipe import process_exit
+      process_exit.ExitAfter(0.2, lambda: print('workers closed', flush=True))
+      time.sleep(60)
+      print('never', flush=True)
+  ''')
+  proc = subprocess.run([sys.executable, '-c', code], cwd=_REPO_ROOT,
+                        capture_output=True, text=True, timeout=30,
+                        check=False)
+  assert proc.returncode == 3, proc.stderr[-2000:]
+  assert proc.stdout == 'watchdog: run too long; stopping.\nworkers closed\n'

@@ -16,6 +16,7 @@ must end with a plain `os._exit`.
 
 import os
 import sys
+import threading
 
 # The prefix of autograph's files and of their modules' names.
 AUTOGRAPH_PREFIX = '__autograph_generated_file'
@@ -44,3 +45,19 @@ def ExitNow(status):
       pass
   RemoveAutographFiles()
   os._exit(status)  # pylint: disable=protected-access
+
+
+def ExitAfter(seconds, before_exit=None):
+  """Starts a watchdog: after `seconds`, says so, calls `before_exit` (to
+  stop what would outlive the process) and ExitNow(3). For a run that
+  must end even when TensorFlow hangs; it imports nothing, so it can start
+  before TensorFlow does."""
+  def Fire():
+    print('watchdog: run too long; stopping.', flush=True)
+    if before_exit:
+      before_exit()
+    ExitNow(3)
+  watchdog = threading.Timer(seconds, Fire)
+  watchdog.daemon = True
+  watchdog.start()
+  return watchdog
