@@ -194,8 +194,10 @@ def test_a_backward_on_a_workers_executor_adds_each_gradient_as_made(
   peaks = peak_bytes['one_cell_backward']
   configs = [(c['m'], c['remat']) for c in _MEASURED['one_cell_backward']]
   # One gradient being added and the next being made, and the activations
-  # of a micro-batch of 8 or 4 rows: under 4 gradients.
-  assert max(peaks) < 4 * one_gradient, [
+  # of a micro-batch of 8 or 4 rows: under 4 gradients, but BFC may give a
+  # gradient a free chunk of up to twice its size (CI measured 4.03 MiB
+  # once): under 6, still well apart from the 10.5-11.1 MiB out of order.
+  assert max(peaks) < 6 * one_gradient, [
       (config, round(peak / 2**20, 2)) for config, peak in zip(configs, peaks)]
 
 
