@@ -7,7 +7,8 @@ device needs the most); remat keeps the inputs only and pays the recompute
 in B's working set; the last cell's fused F+B keeps nothing; an input
 gradient measured within a backward is not counted twice, and a received
 input that no backward reads is not kept; inputs and gradients received
-ahead of their actions are counted; the peak's breakdown adds up; profiles interpolate affinely between sizes; and a
+ahead of their actions are counted; the peak's breakdown adds up; profiles interpolate affinely between sizes;
+several processes' profiles of a cell give each quantity's median; and a
 schedule the walk does not model is refused by name.
 """
 
@@ -196,6 +197,29 @@ def test_profiles_interpolate_affinely_and_keep_resident_fields():
   assert profile.At(1).forward_peak['always'] == pytest.approx(MIB / 2)
   restored = memory_model.CellProfile.FromDict(profile.ToDict())
   assert restored.At(6) == middle
+
+
+def test_the_median_profile_takes_each_quantity_apart():
+  """Each field's median over the profiles, at every size: one process's
+  high backward and another's high forward do not make one high cell."""
+  def Run(forward, backward, kept):
+    cells = [_Cell(n) for n in (1, 8)]
+    for cell in cells:
+      cell.forward_peak['always'] = forward * MIB
+      cell.backward_peak['never'] = backward * MIB
+      cell.kept['never'] = kept * cell.micro_batch_size * MIB
+    return memory_model.CellProfile(cells)
+
+  median = memory_model.MedianProfile(
+      [Run(9, 1, 3), Run(1, 2, 1), Run(2, 9, 2)])
+  assert median.sizes == [1, 8]
+  at8 = median.At(8)
+  assert at8.forward_peak == {'always': 2 * MIB, 'never': 8 * MIB}
+  assert at8.backward_peak == {'always': 16 * MIB, 'never': 2 * MIB}
+  assert at8.kept['never'] == 16 * MIB
+  assert at8.variable_bytes == MIB and not at8.is_last
+  only = Run(1, 1, 1)
+  assert memory_model.MedianProfile([only]) is only
 
 
 def test_uneven_micro_batches_and_bad_settings():

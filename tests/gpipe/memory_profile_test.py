@@ -8,7 +8,8 @@ activations its backward reads, as the allocator holds them, with remat
 input only where its backward reads it (always when re-materialized); the
 last cell, profiled with the model's loss, keeps the loss's gradient when
 re-materialized; a re-materialized backward holds none of its recomputed
-outputs; equal cells are profiled once, the first apart, and a
+outputs; equal cells are profiled once, the first apart, each the median of three
+processes (whose allocators settle on different packings), and a
 cell that is not first is measured computing its input gradient; a process
 without the counting allocator is told how to get one; and for worker
 processes' CPUs, whose actions are calls on the single-threaded executor,
@@ -57,6 +58,7 @@ def profiles():
       [(None, _DIM)] * 3,
       np.random.RandomState(0).normal(size=(64, _DIM)).astype(np.float32),
       None, _Loss, [8, 32], optimizer_lib.OptimizerParams())
+  request.profile_runs = 1  # What one process measures.
   return memory_profile.ProfileInSubprocess(request, timeout_s=240)
 
 
@@ -228,6 +230,7 @@ def test_each_distinct_cell_is_profiled_in_a_process_of_its_own(monkeypatch):
       cells, [(None, _DIM)] * 4, batch, batch, _Loss, [8],
       optimizer_lib.OptimizerParams())
   request.allocator_slack = False
+  request.profile_runs = 1
   profiles = memory_profile.ProfileCells(request)
   assert [p.At(8).variable_bytes for p in profiles] == [1, 2, 2, 3]
   assert [s.positions for s in started] == [[0], [1], [3]]
@@ -241,6 +244,39 @@ def test_each_distinct_cell_is_profiled_in_a_process_of_its_own(monkeypatch):
   request.process_per_cell = False
   assert len(memory_profile.ProfileInSubprocess(request)) == 4
   assert [s.positions for s in started] == [[0, 1, 2, 3]]
+
+
+def test_each_cell_is_the_median_of_its_profile_processes(monkeypatch):
+  """One process's allocator settles on one packing of a step's chunks: by
+  default each distinct cell is profiled in three processes, and each
+  measured quantity is their median (an outlier process moves nothing)."""
+  started = []
+  backward = {0: [10, 30, 11], 1: [4, 5, 6]}  # MiB, per process in turn.
+
+  def Run(sub, mode, timeout_s=900, log=None, memory_mb=None):
+    del mode, timeout_s, log, memory_mb
+    [k] = sub.positions
+    run = sum(s.positions == [k] for s in started)
+    started.append(sub)
+    memory = memory_model.CellMemory(
+        micro_batch_size=8, variable_bytes=7,
+        backward_peak={'always': backward[k][run] * 2**20, 'never': run},
+        fused_peak=float(run), is_last=k == 1)
+    return [memory_model.CellProfile([memory]).ToDict()]
+
+  monkeypatch.setattr(memory_profile, 'RunInSubprocess', Run)
+  batch = np.zeros((8, _DIM), np.float32)
+  request = memory_profile.ProfileRequest(
+      [_Cell('a'), _Cell('c', activation='none')], [(None, _DIM)] * 2, batch,
+      batch, _Loss, [8], optimizer_lib.OptimizerParams())
+  request.allocator_slack = False
+  assert request.profile_runs == 3
+  first, last = [p.At(8) for p in memory_profile.ProfileCells(request)]
+  assert [s.positions for s in started] == [[0]] * 3 + [[1]] * 3
+  assert first.backward_peak == {'always': 11 * 2**20, 'never': 1}
+  assert last.backward_peak['always'] == 5 * 2**20
+  assert first.variable_bytes == 7 and first.fused_peak == 1
+  assert (not first.is_last) and last.is_last
 
 
 def test_profiling_needs_the_counting_allocator(monkeypatch):

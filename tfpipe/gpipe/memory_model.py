@@ -59,6 +59,7 @@ TensorFlow), so the planner can evaluate thousands of configurations.
 """
 
 import dataclasses
+import statistics
 from typing import Dict, List, Optional, Sequence
 
 from tfpipe.gpipe import schedule as schedule_lib
@@ -218,6 +219,33 @@ class CellProfile:
   @classmethod
   def FromDict(cls, values):
     return cls([CellMemory.FromDict(m) for m in values['measurements']])
+
+
+def MedianProfile(profiles):
+  """Each measured quantity's median over profiles of one cell, each made
+  in a process of its own: one process's allocator settles on one packing
+  of a step's chunks (AmoebaNet-D's first cell of two, re-materialized:
+  a backward of 55-60 MiB over six steps of one process, 65-72 in another),
+  and so does a worker's; the median of three draws the common one."""
+  profiles = list(profiles)
+  if len(profiles) == 1:
+    return profiles[0]
+  measurements = []
+  for n in profiles[0].sizes:
+    runs = [p.by_size[n] for p in profiles]
+    values = {}
+    for field in dataclasses.fields(CellMemory):
+      name = field.name
+      first = getattr(runs[0], name)
+      if name == 'micro_batch_size' or name in _FLAGS:
+        values[name] = first
+      elif isinstance(first, dict):
+        values[name] = {key: statistics.median(
+            getattr(r, name)[key] for r in runs) for key in first}
+      else:
+        values[name] = statistics.median(getattr(r, name) for r in runs)
+    measurements.append(CellMemory(**values))
+  return CellProfile(measurements)
 
 
 def _Scaled(memory, factor):

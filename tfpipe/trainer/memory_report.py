@@ -54,7 +54,8 @@ def StepMicroBatchSizes(p):
 
 def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
                    intra_op_threads=0, single_threaded_calls=False,
-                   device=None, allocator_slack=True, process_per_cell=True):
+                   device=None, allocator_slack=True, process_per_cell=True,
+                   profile_runs=3):
   """A memory_profile.ProfileRequest for the experiment's cells.
 
   Args:
@@ -79,6 +80,9 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
     process_per_cell: on the CPU, each distinct cell in a fresh process
       (memory_profile.ProfileRequest.process_per_cell); False for a
       planner's one-layer cells.
+    profile_runs: with `process_per_cell`, the processes that profile each
+      distinct cell, whose median is taken (1 is three times faster and
+      less steady: memory_profile.ProfileRequest.profile_runs).
   """
   model = p.task.model.Instantiate()
   if cells is None:
@@ -95,6 +99,7 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
   request.device = device
   request.allocator_slack = allocator_slack and not single_threaded_calls
   request.process_per_cell = process_per_cell
+  request.profile_runs = profile_runs
   return request
 
 
