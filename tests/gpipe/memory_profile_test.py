@@ -232,36 +232,43 @@ def test_each_distinct_cell_is_profiled_in_a_process_of_its_own(monkeypatch):
   request.allocator_slack = False
   request.profile_runs = 1
   profiles = memory_profile.ProfileCells(request)
-  assert [p.At(8).variable_bytes for p in profiles] == [1, 2, 2, 3]
-  assert [s.positions for s in started] == [[0], [1], [3]]
+  # One process per remat mode; the variables are the re-materialized one's.
+  assert [p.At(8).variable_bytes for p in profiles] == [1, 3, 3, 5]
+  assert [s.positions for s in started] == [[0], [0], [1], [1], [3], [3]]
+  assert [s.modes for s in started] == [('always',), ('never',)] * 3
   assert all(s.in_this_process and len(s.cells) == 1 and s.num_cells == 4
              for s in started)
-  assert [s.inputs is not None for s in started] == [True, False, True]
-  assert [s.targets is not None for s in started] == [True, False, True]
+  assert [s.inputs is not None for s in started[::2]] == [True, False, True]
+  assert [s.targets is not None for s in started[::2]] == [True, False, True]
   assert request.positions == [0, 1, 2, 3] and len(request.cells) == 4
   # A planner's one-layer cells share one process.
   started.clear()
   request.process_per_cell = False
   assert len(memory_profile.ProfileInSubprocess(request)) == 4
   assert [s.positions for s in started] == [[0, 1, 2, 3]]
+  assert started[0].modes == ('always', 'never')
 
 
 def test_each_cell_is_the_median_of_its_profile_processes(monkeypatch):
-  """One process's allocator settles on one packing of a step's chunks: by
-  default each distinct cell is profiled in three processes, and each
-  measured quantity is their median (an outlier process moves nothing)."""
+  """One process's allocator settles on one packing of a step's chunks,
+  which what ran before in it shapes: by default each distinct cell is
+  profiled in three processes per remat mode, and each measured quantity
+  is the median of its mode's three (an outlier process moves nothing)."""
   started = []
-  backward = {0: [10, 30, 11], 1: [4, 5, 6]}  # MiB, per process in turn.
+  backward = {(0, 'always'): [10, 30, 11], (0, 'never'): [3, 2, 9],
+              (1, 'always'): [4, 5, 6], (1, 'never'): [1, 1, 1]}  # MiB
 
   def Run(sub, mode, timeout_s=900, log=None, memory_mb=None):
     del mode, timeout_s, log, memory_mb
     [k] = sub.positions
-    run = sum(s.positions == [k] for s in started)
-    started.append(sub)
+    [remat] = sub.modes
+    run = sum(s == (k, remat) for s in started)
+    started.append((k, remat))
     memory = memory_model.CellMemory(
-        micro_batch_size=8, variable_bytes=7,
-        backward_peak={'always': backward[k][run] * 2**20, 'never': run},
-        fused_peak=float(run), is_last=k == 1)
+        micro_batch_size=8, variable_bytes=7 if remat == 'always' else 0,
+        backward_peak={remat: backward[(k, remat)][run] * 2**20},
+        fused_peak=float(run + (10 if remat == 'never' else 0)),
+        is_last=k == 1)
     return [memory_model.CellProfile([memory]).ToDict()]
 
   monkeypatch.setattr(memory_profile, 'RunInSubprocess', Run)
@@ -272,10 +279,12 @@ def test_each_cell_is_the_median_of_its_profile_processes(monkeypatch):
   request.allocator_slack = False
   assert request.profile_runs == 3
   first, last = [p.At(8) for p in memory_profile.ProfileCells(request)]
-  assert [s.positions for s in started] == [[0]] * 3 + [[1]] * 3
-  assert first.backward_peak == {'always': 11 * 2**20, 'never': 1}
-  assert last.backward_peak['always'] == 5 * 2**20
-  assert first.variable_bytes == 7 and first.fused_peak == 1
+  assert started == ([(0, 'always')] * 3 + [(0, 'never')] * 3 +
+                     [(1, 'always')] * 3 + [(1, 'never')] * 3)
+  assert first.backward_peak == {'always': 11 * 2**20, 'never': 3 * 2**20}
+  assert last.backward_peak == {'always': 5 * 2**20, 'never': 2**20}
+  # Variables from the re-materialized processes; the fused call's larger.
+  assert first.variable_bytes == 7 and first.fused_peak == 11
   assert (not first.is_last) and last.is_last
 
 

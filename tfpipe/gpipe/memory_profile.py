@@ -53,9 +53,12 @@ On the CPU each distinct cell is profiled in a fresh process, whose
 allocator has held that cell only, as its worker's has: what BFC grants a
 request depends on the free chunks that earlier tensors left
 (ProfileInSubprocess). A process's allocator settles on one packing of the
-step's chunks, and a worker's on one of its own, so each cell is profiled
-in `ProfileRequest.profile_runs` processes (3) and each quantity is their
-median (memory_model.MedianProfile). A fresh one-region allocator can still hold more
+step's chunks, which what ran in it before shapes, and a worker's on one of
+its own: so each remat mode of a cell is profiled in processes of its own,
+`ProfileRequest.profile_runs` of them (3), and each quantity is their
+median (memory_model.MedianProfile). (The LM's first cell of four without
+re-materialization: a backward of 17.0-17.3 MiB in a fresh process, 17.0
+to 20.8 after the re-materialized profile in the same one.) A fresh one-region allocator can still hold more
 than the tensors it was given (gpipe/allocator_slack.py measures that).
 
 Counting bytes needs TensorFlow's BFC allocator on the CPU, which only
@@ -201,7 +204,8 @@ def _Worst(steps, kind, micro_batch):
 
 def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
                 is_last, optimizer_params, clip_gradient_norm=1.0,
-                single_threaded_calls=False, device=None, is_first=True):
+                single_threaded_calls=False, device=None, is_first=True,
+                modes=(memory_model.REMAT, memory_model.NO_REMAT)):
   """The CellMemory of one cell at one micro-batch size.
 
   Args:
@@ -220,6 +224,8 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
     is_first: whether the cell is the pipeline's first. Any other cell's
       backward also computes the gradient of its input, which it hands
       back; its actions are profiled doing so (see the module docstring).
+    modes: the remat modes to profile, in turn; the variables and the
+      optimizer update are measured in the first.
 
   Returns:
     A memory_model.CellMemory.
@@ -239,7 +245,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
   result.input_gradient_bytes = _FloatBytes(single)
   result.includes_input_gradient = (not is_first and
                                     result.input_gradient_bytes > 0)
-  for mode in (memory_model.REMAT, memory_model.NO_REMAT):
+  for mode in modes:
     pipe = pipelining_layer.PipeliningLayer.Params().Set(
         name='profile', cell_tpl=[cell_params.Copy()], num_micro_batches=2,
         devices=[device or LocalCpu()], executor='threads', schedule='gpipe',
@@ -281,6 +287,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
     if mode == memory_model.REMAT:
       result.forward_s = forward.seconds
       result.fused_s = fused.seconds
+    if mode == modes[0]:
       variables = pipe.trainable_variables
       result.variable_bytes = Bytes(variables)
       result.other_variable_bytes = sum(
@@ -367,7 +374,8 @@ def ProfileCells(request, log=None):
         measurements.append(ProfileCell(
             cell, inputs, request.targets, request.loss_fn, n, k == last,
             request.optimizer_params, request.clip_gradient_norm,
-            request.single_threaded_calls, request.device, is_first=k == 0))
+            request.single_threaded_calls, request.device, is_first=k == 0,
+            modes=request.modes))
       done[key] = memory_model.CellProfile(measurements)
       if log:
         log(f'profiled cell {k} ({cell.name}) at micro-batch sizes '
@@ -439,12 +447,14 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
   (benchmarks/RESULTS.md, memory_model_accuracy). A worker's allocator has
   held its own cell only, so a CPU profile does the same.
 
-  Each distinct cell runs in `request.profile_runs` processes, one after
-  another (their times are measured too), and each of its quantities is the
-  median of theirs. Two profiles of the memory_model_accuracy grid's K=2
-  and K=4 configurations predicted each device's peak up to 17.3% apart
-  from one process per cell (2.6% on average), and up to 9.1% apart (1.6%)
-  as the median of three (benchmarks/RESULTS.md).
+  Each remat mode of each distinct cell runs in `request.profile_runs`
+  processes, one after another (their times are measured too), and each of
+  its quantities is the median of theirs (_JoinModes puts the two modes
+  together). Two profiles of the memory_model_accuracy grid's K=2 and K=4
+  configurations predicted each device's peak up to 17.3% apart from one
+  process per cell (2.6% on average), and up to 9.8% apart (1.6%) this
+  way; their worst errors against the stored medians were 27.1% and 26.6%,
+  then 16.5% and 16.7% (benchmarks/RESULTS.md).
 
   Returns the list of CellProfile. Raises RuntimeError with the child's
   error when it fails, subprocess.TimeoutExpired after timeout_s in all.
@@ -463,18 +473,41 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
     sub.allocator_slack = False  # Measured below, for all cells at once.
     if sub.positions[0] not in (0, last):  # Reads no batch: random inputs.
       sub.inputs = sub.targets = sub.input_params = None
-    runs = []
-    for _ in range(max(1, request.profile_runs)):
-      [profile] = RunInSubprocess(
-          sub, 'profile', log=log,
-          timeout_s=max(1.0, deadline - time.monotonic()))
-      runs.append(memory_model.CellProfile.FromDict(profile))
-    done[key] = memory_model.MedianProfile(runs)
+    by_mode = []
+    for modes in ((memory_model.REMAT,), (memory_model.NO_REMAT,)):
+      one_mode = copy.copy(sub)
+      one_mode.modes = modes
+      runs = []
+      for _ in range(max(1, request.profile_runs)):
+        [profile] = RunInSubprocess(
+            one_mode, 'profile', log=log,
+            timeout_s=max(1.0, deadline - time.monotonic()))
+        runs.append(memory_model.CellProfile.FromDict(profile))
+      by_mode.append(memory_model.MedianProfile(runs))
+    done[key] = _JoinModes(*by_mode)
   if request.allocator_slack:
     _AddBuildSlack(request, done, log)
   return [done[CellSignature(cell, shape, k == last, k == 0)]
           for k, cell, shape in zip(request.positions, request.cells,
                                     request.input_shapes)]
+
+
+def _JoinModes(remat, no_remat=None):
+  """One CellProfile from a profile of each mode: what is keyed by mode
+  from its own, the rest (variables, the update, the fused call's time)
+  from the re-materialized one's; the fused call's peak, the larger."""
+  if no_remat is None:
+    return remat
+  never = memory_model.NO_REMAT
+  for n in remat.sizes:
+    into, other = remat.by_size[n], no_remat.by_size[n]
+    for name in ('kept', 'kept_input', 'forward_peak', 'backward_peak',
+                 'backward_s'):
+      values = getattr(other, name)
+      if never in values:
+        getattr(into, name)[never] = values[never]
+    into.fused_peak = max(into.fused_peak, other.fused_peak)
+  return remat
 
 
 def SubprocessEnv(request, mode, memory_mb=None):

@@ -64,10 +64,12 @@ class ProfileRequest:
       predicted every size from layers profiled together (17.4 minutes;
       19.8 with a process per layer, the same sizes).
     profile_runs: with `process_per_cell`, how many fresh processes profile
-      each distinct cell; each of its quantities is their median
-      (memory_model.MedianProfile). One process's allocator settles on one
-      packing of a step's chunks, which can put an action's working set
-      15% above or below another process's.
+      each remat mode of each distinct cell; each of its quantities is
+      their median (memory_model.MedianProfile). One process's allocator
+      settles on one packing of a step's chunks, which can put an action's
+      working set 15% above or below another process's.
+    modes: the remat modes a process profiles (ProfileInSubprocess gives
+      each its own process).
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
@@ -92,6 +94,7 @@ class ProfileRequest:
     self.gpu_memory_mb = None
     self.process_per_cell = True
     self.profile_runs = 3
+    self.modes = ('always', 'never')
     # Set in the process that profiles one cell for ProfileInSubprocess.
     self.in_this_process = False
 
