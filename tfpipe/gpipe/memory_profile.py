@@ -58,8 +58,9 @@ its own: so each remat mode of a cell is profiled in processes of its own,
 `ProfileRequest.profile_runs` of them (3), and each quantity is their
 median (memory_model.MedianProfile). (The LM's first cell of four without
 re-materialization: a backward of 17.0-17.3 MiB in a fresh process, 17.0
-to 20.8 after the re-materialized profile in the same one.) A fresh one-region allocator can still hold more
-than the tensors it was given (gpipe/allocator_slack.py measures that).
+to 20.8 after the re-materialized profile in the same one.) A fresh
+one-region allocator can still hold more than the tensors it was given
+(gpipe/allocator_slack.py measures that).
 
 Counting bytes needs TensorFlow's BFC allocator on the CPU, which only
 TF_CPU_ALLOCATOR_USE_BFC=true set before TensorFlow starts gives: the

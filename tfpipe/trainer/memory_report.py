@@ -81,8 +81,9 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
       (memory_profile.ProfileRequest.process_per_cell); False for a
       planner's one-layer cells.
     profile_runs: with `process_per_cell`, the processes that profile each
-      distinct cell, whose median is taken (1 is three times faster and
-      less steady: memory_profile.ProfileRequest.profile_runs).
+      remat mode of each distinct cell, whose median is taken (1 is about
+      three times faster and less steady:
+      memory_profile.ProfileRequest.profile_runs).
   """
   model = p.task.model.Instantiate()
   if cells is None:
