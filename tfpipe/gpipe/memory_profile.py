@@ -70,6 +70,7 @@ a GPU profile may run in the process that holds the GPU (`ProfileCells`).
 """
 
 import copy
+import dataclasses
 import math
 import os
 import pickle
@@ -494,19 +495,19 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
 
 
 def _JoinModes(remat, no_remat=None):
-  """One CellProfile from a profile of each mode: what is keyed by mode
-  from its own, the rest (variables, the update, the fused call's time)
-  from the re-materialized one's; the fused call's peak, the larger."""
+  """One CellProfile from a profile of each mode: what is keyed by mode (the
+  CellMemory's dict fields) from its own, the rest (variables, the update,
+  the fused call's time) from the re-materialized one's; the fused call's
+  peak, the larger."""
   if no_remat is None:
     return remat
   never = memory_model.NO_REMAT
   for n in remat.sizes:
     into, other = remat.by_size[n], no_remat.by_size[n]
-    for name in ('kept', 'kept_input', 'forward_peak', 'backward_peak',
-                 'backward_s'):
-      values = getattr(other, name)
-      if never in values:
-        getattr(into, name)[never] = values[never]
+    for field in dataclasses.fields(other):
+      values = getattr(other, field.name)
+      if isinstance(values, dict) and never in values:
+        getattr(into, field.name)[never] = values[never]
     into.fused_peak = max(into.fused_peak, other.fused_peak)
   return remat
 
