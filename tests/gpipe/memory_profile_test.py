@@ -157,6 +157,7 @@ def later_cells():
       np.random.RandomState(0).normal(size=(_N, _WIDE)).astype(np.float32),
       None, _Loss, [_N], optimizer_lib.OptimizerParams())
   request.num_cells = 6  # None of them is last.
+  request.profile_runs = 1  # What one process measures.
   return memory_profile.ProfileInSubprocess(request, timeout_s=240)
 
 

@@ -37,7 +37,7 @@ def _Launch(logdir, num_workers, *args, memory_mb=25):
   return quiet_test.RunPython(
       '-m', 'tfpipe.launcher', f'--num_workers={num_workers}',
       f'--device_memory_mb={memory_mb}', '--', *_MODEL, f'--logdir={logdir}',
-      *args, timeout=240)
+      '--memory_profile_runs=1', *args, timeout=240)
 
 
 def _Digests(directory):
@@ -206,7 +206,7 @@ def test_a_failed_gpu_profile_falls_back_to_the_cpu_and_says_so():
   lines = []
   plan = auto_plan.Choose(
       p, planner.Devices(count=2, memory_bytes=25 * 2**20), log=lines.append,
-      profile_device='/GPU:0')
+      profile_device='/GPU:0', profile_runs=1)
   [fallback] = [line for line in lines if 'failed' in line]
   assert fallback.startswith('  Profiling the layers on /GPU:0 failed (')
   assert "unknown device '/GPU:0'" in fallback
@@ -235,7 +235,8 @@ def test_a_clusters_workers_are_planned_for_as_worker_cpus(monkeypatch):
     del requests[:]
     plan = auto_plan.Choose(
         p.Copy(), planner.Devices(count=2, memory_bytes=25 * 2**20),
-        log=lambda line: None, single_threaded_calls=on_workers)
+        log=lambda line: None, single_threaded_calls=on_workers,
+        profile_runs=1)
     assert plan.num_partitions == 2
     # The layers, then the chosen cut's cells.
     assert len(requests) >= 2

@@ -168,6 +168,39 @@ def test_plan_profiles_on_this_machines_gpu_only(monkeypatch, device_type,
   assert chosen == [(expected, cluster)]
 
 
+def test_memory_profile_runs_reaches_every_profile_the_trainer_makes(
+    monkeypatch):
+  """--memory_profile_runs sets the processes per cell and mode of the
+  plan's cells, inspect_model's and the out-of-memory prediction's."""
+  from tfpipe.trainer import auto_plan  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  runs = []
+  monkeypatch.setattr(auto_plan, 'Choose', lambda p, devices, **kwargs: (
+      runs.append(('plan', kwargs['profile_runs']))))
+
+  def Recorded(request, **unused):
+    runs.append(('profile', request.profile_runs))
+    raise RuntimeError('recorded')
+  monkeypatch.setattr(memory_report, 'Profile', Recorded)
+  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
+  with flagsaver.flagsaver(plan='auto', device_memory_mb=64, num_devices=2,
+                           memory_profile_runs=1):
+    memory_budget.PlanIfAsked(p, FLAGS)
+    with pytest.raises(RuntimeError, match='recorded'):
+      memory_budget.InspectLines(p, FLAGS, ['/CPU:0'])
+    diagnosis = memory_budget.Diagnosis(p, FLAGS, ['/CPU:0'], None, None,
+                                        None, last_good=None)
+  with pytest.raises(RuntimeError, match='recorded'):
+    diagnosis._predict()  # pylint: disable=protected-access
+  with flagsaver.flagsaver(plan='auto', device_memory_mb=64, num_devices=2):
+    memory_budget.PlanIfAsked(p, FLAGS)
+  assert runs == [('plan', 1), ('profile', 1), ('profile', 1), ('plan', 3)]
+  with flagsaver.flagsaver():
+    with pytest.raises(flags.IllegalFlagValueError,
+                       match='memory_profile_runs'):
+      FLAGS.memory_profile_runs = 0
+
+
 # The trainer's start (main, before TensorFlow), then what a capped process
 # logs right before a kernel uses the tensor it was refused and crashes.
 _CRASHING_TRAINER = r'''

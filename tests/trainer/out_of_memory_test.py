@@ -55,7 +55,8 @@ def test_a_capped_process_stops_plainly_and_keeps_its_checkpoints(tmp_path):
   proc = subprocess.run(
       [sys.executable, '-m', 'tfpipe.trainer', '--model=lm.TinyTransformerLm',
        f'--logdir={logdir}', '--run_locally=cpu', '--num_partitions=2',
-       '--num_micro_batches=1', '--remat_policy=never', '--max_steps=4'],
+       '--num_micro_batches=1', '--remat_policy=never', '--max_steps=4',
+       '--memory_profile_runs=1'],
       cwd=quiet_test.ROOT, env=env, capture_output=True, text=True,
       timeout=240, check=False)
   assert proc.returncode == out_of_memory.EXIT_OUT_OF_MEMORY, (

@@ -72,7 +72,8 @@ def ApplyPlan(p, plan):
 
 
 def Choose(p, devices, log=print, example=None, intra_op_threads=0,
-           profile_device=None, single_threaded_calls=False):
+           profile_device=None, single_threaded_calls=False,
+           profile_runs=3):
   """Plans the experiment for `devices` (a planner.Devices); applies and
   returns the PipelinePlan.
 
@@ -88,7 +89,9 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
   CPUs (a cluster's), whose actions are calls on the single-threaded
   executor and whose allocators hold no build slack; the profiles then
   measure that too (memory_report.ProfileRequest), not a bigger working set
-  that a plan would leave unused.
+  that a plan would leave unused. `profile_runs`: the fresh processes
+  that profile each mode of the chosen cut's cells
+  (memory_report.ProfileRequest).
 
   Raises:
     planner.NoPlanError: nothing fits; its message names the smallest
@@ -119,7 +122,8 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
             memory_report.ProfileRequest(
                 candidate, micro_batch_sizes=n, example=example,
                 intra_op_threads=intra_op_threads, device=device,
-                single_threaded_calls=single_threaded_calls),
+                single_threaded_calls=single_threaded_calls,
+                profile_runs=profile_runs),
             in_subprocess=device is not None),
         profile_device, log)
     return cells

@@ -50,6 +50,13 @@ def DefineFlags():
       '(1 - plan_headroom) x --device_memory_mb. The memory model\'s '
       'predictions have come out several percent below measured peaks; 0 '
       'plans to the last byte.', lower_bound=0.0, upper_bound=0.9)
+  flags.DEFINE_integer(
+      'memory_profile_runs', 3, 'Fresh processes that profile each remat '
+      'mode of each distinct cell on the CPU, for --plan=auto, '
+      '--mode=inspect_model and an out-of-memory diagnosis; each measured '
+      'quantity is their median. 1 is about three times faster and less '
+      'steady: one process\'s allocator can pack a step 15% above or below '
+      'another\'s.', lower_bound=1)
   flags.DEFINE_float('neighbour_bandwidth_mbps', None,
                      'Bandwidth between neighbouring devices in MB/s, for '
                      'the planner\'s transfer times (default: free).',
@@ -199,7 +206,8 @@ def PlanIfAsked(p, flag_values, log=print):
   return auto_plan.Choose(p, devices, log=log,
                           intra_op_threads=_IntraOpThreads(flag_values),
                           profile_device=_PlanProfileDevice(flag_values),
-                          single_threaded_calls=on_workers)
+                          single_threaded_calls=on_workers,
+                          profile_runs=flag_values.memory_profile_runs)
 
 
 def InspectLines(p, flag_values, devices):
@@ -213,7 +221,8 @@ def InspectLines(p, flag_values, devices):
   profiles = memory_report.Profile(memory_report.ProfileRequest(
       p, example=example, intra_op_threads=_IntraOpThreads(flag_values),
       single_threaded_calls=_SingleThreadedCalls(devices),
-      device=_ProfileDevice(devices)))
+      device=_ProfileDevice(devices),
+      profile_runs=flag_values.memory_profile_runs))
   peaks = memory_report.PredictPeaks(p, profiles, example)
   return memory_report.BudgetLines(p, peaks, budget, devices,
                                    headroom=flag_values.plan_headroom)
@@ -228,12 +237,15 @@ def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
   elif split is not None and split.memory_limit_mb and not limit:
     limit = split.memory_limit_mb
 
+  profile_runs = flag_values.memory_profile_runs
+
   def Predict():
     from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
     example = memory_report.ExampleBatch(p)
     profiles = memory_report.Profile(memory_report.ProfileRequest(
         p, example=example, intra_op_threads=_IntraOpThreads(flag_values),
-        single_threaded_calls=_SingleThreadedCalls(devices)))
+        single_threaded_calls=_SingleThreadedCalls(devices),
+        profile_runs=profile_runs))
     return memory_report.PredictPeaks(p, profiles, example)
   return trainer_oom.Diagnosis(
       p, devices, limit_mb=limit, shared_limit=shared,
