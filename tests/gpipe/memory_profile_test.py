@@ -211,43 +211,52 @@ def test_an_input_no_backward_reads_is_not_kept(later_cells):
 
 def test_each_distinct_cell_is_profiled_in_a_process_of_its_own(monkeypatch):
   """What BFC grants follows what the allocator held before, and a worker's
-  has held its own cell only: a CPU profile starts one process per
-  distinct cell, each profiling that cell alone (the batch only where it
-  is read), and hands each cell its own profile, equal cells the same."""
+  has held its own cell, at its own micro-batch size, only: a CPU profile
+  starts one process per distinct cell, remat mode and micro-batch size,
+  each profiling that cell alone (the batch only where it is read), and
+  hands each cell its own profile, equal cells the same."""
   started = []
 
   def Run(sub, mode, timeout_s=900, log=None, memory_mb=None):
     del log, memory_mb
     assert mode == 'profile' and timeout_s > 0
     started.append(sub)
-    memory = memory_model.CellMemory(micro_batch_size=8)
-    memory.variable_bytes = len(started)  # Which process profiled it.
-    return [memory_model.CellProfile([memory]).ToDict()] * len(sub.cells)
+    profile = memory_model.CellProfile([  # variable_bytes: which process.
+        memory_model.CellMemory(micro_batch_size=n,
+                                variable_bytes=len(started))
+        for n in sub.micro_batch_sizes])
+    return [profile.ToDict()] * len(sub.cells)
 
   monkeypatch.setattr(memory_profile, 'RunInSubprocess', Run)
   cells = [_Cell('a'), _Cell('b'), _Cell('b2'), _Cell('c', activation='none')]
-  batch = np.zeros((8, _DIM), np.float32)
+  batch = np.zeros((16, _DIM), np.float32)
   request = memory_profile.ProfileRequest(
-      cells, [(None, _DIM)] * 4, batch, batch, _Loss, [8],
+      cells, [(None, _DIM)] * 4, batch, batch, _Loss, [16, 8],
       optimizer_lib.OptimizerParams())
   request.allocator_slack = False
   request.profile_runs = 1
   profiles = memory_profile.ProfileCells(request)
-  # One process per remat mode; the variables are the re-materialized one's.
-  assert [p.At(8).variable_bytes for p in profiles] == [1, 3, 3, 5]
-  assert [s.positions for s in started] == [[0], [0], [1], [1], [3], [3]]
-  assert [s.modes for s in started] == [('always',), ('never',)] * 3
+  # One process per remat mode and size; the variables are the
+  # re-materialized one's.
+  assert [p.At(8).variable_bytes for p in profiles] == [1, 5, 5, 9]
+  assert [p.At(16).variable_bytes for p in profiles] == [2, 6, 6, 10]
+  assert [s.positions for s in started] == [[0]] * 4 + [[1]] * 4 + [[3]] * 4
+  assert [s.modes for s in started] == (
+      [('always',)] * 2 + [('never',)] * 2) * 3
+  assert [s.micro_batch_sizes for s in started] == [[8], [16]] * 6
   assert all(s.in_this_process and len(s.cells) == 1 and s.num_cells == 4
              for s in started)
-  assert [s.inputs is not None for s in started[::2]] == [True, False, True]
-  assert [s.targets is not None for s in started[::2]] == [True, False, True]
+  assert [s.inputs is not None for s in started[::4]] == [True, False, True]
+  assert [s.targets is not None for s in started[::4]] == [True, False, True]
   assert request.positions == [0, 1, 2, 3] and len(request.cells) == 4
+  assert request.micro_batch_sizes == [8, 16]
   # A planner's one-layer cells share one process.
   started.clear()
   request.process_per_cell = False
   assert len(memory_profile.ProfileInSubprocess(request)) == 4
   assert [s.positions for s in started] == [[0, 1, 2, 3]]
   assert started[0].modes == ('always', 'never')
+  assert started[0].micro_batch_sizes == [8, 16]
 
 
 def test_each_cell_is_the_median_of_its_profile_processes(monkeypatch):

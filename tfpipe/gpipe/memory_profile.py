@@ -54,11 +54,13 @@ allocator has held that cell only, as its worker's has: what BFC grants a
 request depends on the free chunks that earlier tensors left
 (ProfileInSubprocess). A process's allocator settles on one packing of the
 step's chunks, which what ran in it before shapes, and a worker's on one of
-its own: so each remat mode of a cell is profiled in processes of its own,
-`ProfileRequest.profile_runs` of them (3), and each quantity is their
-median (memory_model.MedianProfile). (The LM's first cell of four without
-re-materialization: a backward of 17.0-17.3 MiB in a fresh process, 17.0
-to 20.8 after the re-materialized profile in the same one.) A fresh
+its own: so each remat mode and micro-batch size of a cell (a worker runs
+one, N/M, unless M does not divide N) is profiled in processes of its own, `ProfileRequest.profile_runs` of
+them (3), and each quantity is their median (memory_model.MedianProfile).
+(The LM's first cell of four without re-materialization: a backward of
+17.0-17.3 MiB in a fresh process, 17.0 to 20.8 after the re-materialized
+profile in the same one; at micro-batch 64 after 8 and 16 in the same
+process, 17% above its worker.) A fresh
 one-region allocator can still hold more than the tensors it was given
 (gpipe/allocator_slack.py measures that).
 
@@ -449,14 +451,15 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
   (benchmarks/RESULTS.md, memory_model_accuracy). A worker's allocator has
   held its own cell only, so a CPU profile does the same.
 
-  Each remat mode of each distinct cell runs in `request.profile_runs`
-  processes, one after another (their times are measured too), and each of
-  its quantities is the median of theirs (_JoinModes puts the two modes
-  together). Two profiles of the memory_model_accuracy grid's K=2 and K=4
-  configurations predicted each device's peak up to 17.3% apart from one
-  process per cell (2.6% on average), and up to 9.8% apart (1.6%) this
-  way; their worst errors against the stored medians were 27.1% and 26.6%,
-  then 16.5% and 16.7% (benchmarks/RESULTS.md).
+  Each remat mode of each distinct cell, at each micro-batch size, runs in
+  `request.profile_runs` processes, one after another (their times are
+  measured too), and each of its quantities is the median of theirs
+  (_JoinModes puts the two modes together): a worker runs one size, and
+  so does the trainer's profile of its step; a size profiled after another
+  in one process is packed as no such worker packs it. Two profiles of the
+  memory_model_accuracy grid's K=2 and K=4 configurations predicted each
+  device's peak up to 17.3% apart from one process per cell, and up to
+  10.1% apart this way (benchmarks/RESULTS.md).
 
   Returns the list of CellProfile. Raises RuntimeError with the child's
   error when it fails, subprocess.TimeoutExpired after timeout_s in all.
@@ -477,15 +480,18 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
       sub.inputs = sub.targets = sub.input_params = None
     by_mode = []
     for modes in ((memory_model.REMAT,), (memory_model.NO_REMAT,)):
-      one_mode = copy.copy(sub)
-      one_mode.modes = modes
-      runs = []
-      for _ in range(max(1, request.profile_runs)):
-        [profile] = RunInSubprocess(
-            one_mode, 'profile', log=log,
-            timeout_s=max(1.0, deadline - time.monotonic()))
-        runs.append(memory_model.CellProfile.FromDict(profile))
-      by_mode.append(memory_model.MedianProfile(runs))
+      measurements = []
+      for n in request.micro_batch_sizes:
+        one = copy.copy(sub)
+        one.modes, one.micro_batch_sizes = modes, [n]
+        runs = []
+        for _ in range(max(1, request.profile_runs)):
+          [profile] = RunInSubprocess(
+              one, 'profile', log=log,
+              timeout_s=max(1.0, deadline - time.monotonic()))
+          runs.append(memory_model.CellProfile.FromDict(profile))
+        measurements.append(memory_model.MedianProfile(runs).by_size[n])
+      by_mode.append(memory_model.CellProfile(measurements))
     done[key] = _JoinModes(*by_mode)
   if request.allocator_slack:
     _AddBuildSlack(request, done, log)

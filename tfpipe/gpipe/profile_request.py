@@ -64,12 +64,12 @@ class ProfileRequest:
       predicted every size from layers profiled together (17.4 minutes;
       19.8 with a process per layer, the same sizes).
     profile_runs: with `process_per_cell`, how many fresh processes profile
-      each remat mode of each distinct cell; each of its quantities is
-      their median (memory_model.MedianProfile). One process's allocator
+      each remat mode of each distinct cell at each micro-batch size; each
+      of its quantities is their median (memory_model.MedianProfile). One process's allocator
       settles on one packing of a step's chunks, which can put an action's
       working set 15% above or below another process's.
     modes: the remat modes a process profiles (ProfileInSubprocess gives
-      each its own process).
+      each, and each size, its own process).
   """
 
   def __init__(self, cells, input_shapes, inputs, targets, loss_fn,
