@@ -55,12 +55,11 @@ request depends on the free chunks that earlier tensors left
 (ProfileInSubprocess). A process's allocator settles on one packing of the
 step's chunks, which what ran in it before shapes, and a worker's on one of
 its own: so each remat mode and micro-batch size of a cell (a worker runs
-one, N/M, unless M does not divide N) is profiled in processes of its own, `ProfileRequest.profile_runs` of
-them (3), and each quantity is their median (memory_model.MedianProfile).
-(The LM's first cell of four without re-materialization: a backward of
-17.0-17.3 MiB in a fresh process, 17.0 to 20.8 after the re-materialized
-profile in the same one; at micro-batch 64 after 8 and 16 in the same
-process, 17% above its worker.) A fresh
+one, N/M, unless M does not divide N) is profiled in processes of its
+own, `ProfileRequest.profile_runs` of them (3), and each quantity is their
+median (memory_model.MedianProfile). (The LM's first cell of four without
+re-materialization: a backward of 17.0-17.3 MiB in a fresh process, 17.0
+to 20.8 after the re-materialized profile in the same one.) A fresh
 one-region allocator can still hold more than the tensors it was given
 (gpipe/allocator_slack.py measures that).
 

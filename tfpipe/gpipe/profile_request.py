@@ -65,9 +65,10 @@ class ProfileRequest:
       19.8 with a process per layer, the same sizes).
     profile_runs: with `process_per_cell`, how many fresh processes profile
       each remat mode of each distinct cell at each micro-batch size; each
-      of its quantities is their median (memory_model.MedianProfile). One process's allocator
-      settles on one packing of a step's chunks, which can put an action's
-      working set 15% above or below another process's.
+      of its quantities is their median (memory_model.MedianProfile). One
+      process's allocator settles on one packing of a step's chunks, which
+      can put an action's working set 15% above or below another
+      process's.
     modes: the remat modes a process profiles (ProfileInSubprocess gives
       each, and each size, its own process).
   """

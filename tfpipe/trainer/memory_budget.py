@@ -52,11 +52,11 @@ def DefineFlags():
       'plans to the last byte.', lower_bound=0.0, upper_bound=0.9)
   flags.DEFINE_integer(
       'memory_profile_runs', 3, 'Fresh processes that profile each remat '
-      'mode of each distinct cell on the CPU, for --plan=auto, '
-      '--mode=inspect_model and an out-of-memory diagnosis; each measured '
-      'quantity is their median. 1 is about three times faster and less '
-      'steady: one process\'s allocator can pack a step 15% above or below '
-      'another\'s.', lower_bound=1)
+      'mode and micro-batch size of each distinct cell on the CPU, for '
+      '--plan=auto, --mode=inspect_model and an out-of-memory diagnosis; '
+      'each measured quantity is their median. 1 is about three times '
+      'faster and less steady: one process\'s allocator can pack a step '
+      '15% above or below another\'s.', lower_bound=1)
   flags.DEFINE_float('neighbour_bandwidth_mbps', None,
                      'Bandwidth between neighbouring devices in MB/s, for '
                      'the planner\'s transfer times (default: free).',
