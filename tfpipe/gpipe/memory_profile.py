@@ -477,21 +477,12 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
     sub.allocator_slack = False  # Measured below, for all cells at once.
     if sub.positions[0] not in (0, last):  # Reads no batch: random inputs.
       sub.inputs = sub.targets = sub.input_params = None
-    by_mode = []
-    for modes in ((memory_model.REMAT,), (memory_model.NO_REMAT,)):
-      measurements = []
-      for n in request.micro_batch_sizes:
-        one = copy.copy(sub)
-        one.modes, one.micro_batch_sizes = modes, [n]
-        runs = []
-        for _ in range(max(1, request.profile_runs)):
-          [profile] = RunInSubprocess(
-              one, 'profile', log=log,
-              timeout_s=max(1.0, deadline - time.monotonic()))
-          runs.append(memory_model.CellProfile.FromDict(profile))
-        measurements.append(memory_model.MedianProfile(runs).by_size[n])
-      by_mode.append(memory_model.CellProfile(measurements))
-    done[key] = _JoinModes(*by_mode)
+    remat, no_remat = (
+        memory_model.CellProfile([
+            _MedianOfProcesses(sub, mode, n, deadline, log)
+            for n in request.micro_batch_sizes])
+        for mode in (memory_model.REMAT, memory_model.NO_REMAT))
+    done[key] = _JoinModes(remat, no_remat)
   if request.allocator_slack:
     _AddBuildSlack(request, done, log)
   return [done[CellSignature(cell, shape, k == last, k == 0)]
@@ -499,13 +490,26 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
                                     request.input_shapes)]
 
 
-def _JoinModes(remat, no_remat=None):
+def _MedianOfProcesses(request, mode, n, deadline, log=None):
+  """The CellMemory of the request's one cell in one remat mode at
+  micro-batch size n: each quantity's median over `request.profile_runs`
+  fresh processes."""
+  one = copy.copy(request)
+  one.modes, one.micro_batch_sizes = (mode,), [n]
+  runs = []
+  for _ in range(max(1, request.profile_runs)):
+    [profile] = RunInSubprocess(
+        one, 'profile', log=log,
+        timeout_s=max(1.0, deadline - time.monotonic()))
+    runs.append(memory_model.CellProfile.FromDict(profile))
+  return memory_model.MedianProfile(runs).by_size[n]
+
+
+def _JoinModes(remat, no_remat):
   """One CellProfile from a profile of each mode: what is keyed by mode (the
   CellMemory's dict fields) from its own, the rest (variables, the update,
   the fused call's time) from the re-materialized one's; the fused call's
   peak, the larger."""
-  if no_remat is None:
-    return remat
   never = memory_model.NO_REMAT
   for n in remat.sizes:
     into, other = remat.by_size[n], no_remat.by_size[n]

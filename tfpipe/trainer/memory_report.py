@@ -81,8 +81,8 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
       (memory_profile.ProfileRequest.process_per_cell); False for a
       planner's one-layer cells.
     profile_runs: with `process_per_cell`, the processes that profile each
-      remat mode of each distinct cell, whose median is taken (1 is about
-      three times faster and less steady:
+      remat mode and micro-batch size of each distinct cell, whose median
+      is taken (1 is about three times faster and less steady:
       memory_profile.ProfileRequest.profile_runs).
   """
   model = p.task.model.Instantiate()
