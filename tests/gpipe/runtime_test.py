@@ -167,14 +167,19 @@ def test_1f1b_and_zb_h1_peak_memory_does_not_grow_with_micro_batches(
     peak_bytes):
   """Twice the micro-batches of one size: GPipe's peak doubles, theirs not.
 
-  This, not a ratio to each other, is what bounds them: 1F1B's peak alone
-  varies by a quarter between runs (the four devices' transients overlap or
-  not in the one allocator they share here).
+  Sixteen more micro-batches held until backward would add about GPipe's
+  whole peak at 16; holding at most K per device adds nothing. The bound is
+  on the growth, with a quarter of GPipe's peak as the margin, not on a
+  ratio: 1F1B's peak alone varies by a quarter or more between runs (the
+  four devices' transients overlap or not in the one allocator they share
+  here; CI once measured 3.0 MiB at 16 and 3.9 at 32).
   """
+  gpipe_at_16 = peak_bytes['schedules'][0]
   for name, at_16, at_32 in zip(('1f1b', 'zb_h1'),
                                 peak_bytes['schedules'][1:],
                                 peak_bytes['schedules_at_32']):
-    assert at_32 < 1.3 * at_16, (name, at_32, at_16)
+    assert at_32 - at_16 < 0.25 * gpipe_at_16, (name, at_32, at_16,
+                                                gpipe_at_16)
 
 
 def test_a_backward_on_a_workers_executor_adds_each_gradient_as_made(
