@@ -83,6 +83,11 @@ flags.DEFINE_integer('repeats', 1, 'With --device=cpu: measure each '
                      'the summary also counts rows against each device\'s '
                      'largest run.',
                      lower_bound=1)
+flags.DEFINE_integer('profile_runs', 3, 'With --device=cpu: the fresh '
+                     'processes that profile each remat mode and '
+                     'micro-batch size of each distinct cell, whose median '
+                     'predicts (the trainer\'s --memory_profile_runs).',
+                     lower_bound=1)
 flags.DEFINE_float('tolerance', 0.15, 'The bar: |predicted/measured - 1|.')
 flags.DEFINE_integer('total_timeout_s', 5400, 'Watchdog for the whole run.')
 flags.DEFINE_string('output_json', None, 'Where to write the results.')
@@ -382,7 +387,8 @@ def _RunOne(model, i, p, configurations, pending, previous, profiles, sizes,
         p, micro_batch_sizes=sizes, example=example,
         intra_op_threads=capped_workers.INTRA_OP_THREADS,
         single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
-        allocator_slack=FLAGS.worker_memory_mb is not None))
+        allocator_slack=FLAGS.worker_memory_mb is not None,
+        profile_runs=FLAGS.profile_runs))
     log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
         f'in {time.time() - start:.0f}s')
   workers = pending or capped_workers.CappedWorkers(
@@ -439,7 +445,8 @@ def _ProfileAgain(base, example, by_k, log):
             p, micro_batch_sizes=sizes, example=example,
             intra_op_threads=capped_workers.INTRA_OP_THREADS,
             single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
-            allocator_slack=FLAGS.worker_memory_mb is not None))]
+            allocator_slack=FLAGS.worker_memory_mb is not None,
+            profile_runs=FLAGS.profile_runs))]
     log(f'K={k}: profiled again in {time.time() - start:.0f}s')
   return profiles
 

@@ -54,7 +54,6 @@ import concurrent.futures
 import os
 import subprocess
 import sys
-import threading
 
 from absl import app
 from absl import flags
@@ -127,18 +126,6 @@ def StartWorkers(num):
       FLAGS.startup_timeout_s, stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL, cwd=_REPO_ROOT)
   return jobs
-
-
-def Watchdog():
-  def Fire():
-    print(f'watchdog: run exceeded {FLAGS.total_timeout_s}s; stopping.',
-          flush=True)
-    CHILDREN.Close()
-    process_exit.ExitNow(3)
-  t = threading.Timer(FLAGS.total_timeout_s, Fire)
-  t.daemon = True
-  t.start()
-  return t
 
 
 def _LayerParams():
@@ -260,7 +247,7 @@ def main(argv):
   # (each configuration traces its own step on purpose).
   logging.set_verbosity(logging.WARNING)
   tf.get_logger().setLevel('ERROR')
-  watchdog = Watchdog()
+  watchdog = process_exit.ExitAfter(FLAGS.total_timeout_s, CHILDREN.Close)
   try:
     if FLAGS.mode == 'threads':
       samples, tl = _MeasureThreads()

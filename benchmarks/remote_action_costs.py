@@ -43,6 +43,7 @@ from absl import app
 from absl import flags
 
 from tfpipe import network_namespace
+from tfpipe import process_exit
 from tfpipe import quiet
 
 FLAGS = flags.FLAGS
@@ -291,7 +292,8 @@ def main(argv):
   network_namespace.EnterLoopbackNamespace('benchmarks.remote_action_costs',
                                            sys.argv)
   quiet.ImportTensorFlow()
-  watchdog = pipeline_efficiency.Watchdog()
+  watchdog = process_exit.ExitAfter(FLAGS.total_timeout_s,
+                                    pipeline_efficiency.CHILDREN.Close)
   try:
     jobs = pipeline_efficiency.StartWorkers(2)
     # pylint: disable=g-import-not-at-top

@@ -85,4 +85,5 @@ def test_a_watchdog_says_so_stops_what_outlives_it_and_exits_3():
                         capture_output=True, text=True, timeout=30,
                         check=False)
   assert proc.returncode == 3, proc.stderr[-2000:]
-  assert proc.stdout == 'watchdog: run too long; stopping.\nworkers closed\n'
+  assert proc.stdout == (
+      'watchdog: run exceeded 0.2s; stopping.\nworkers closed\n')

@@ -53,7 +53,7 @@ def ExitAfter(seconds, before_exit=None):
   must end even when TensorFlow hangs; it imports nothing, so it can start
   before TensorFlow does."""
   def Fire():
-    print('watchdog: run too long; stopping.', flush=True)
+    print(f'watchdog: run exceeded {seconds:g}s; stopping.', flush=True)
     if before_exit:
       before_exit()
     ExitNow(3)

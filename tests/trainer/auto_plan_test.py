@@ -193,36 +193,13 @@ def test_every_candidate_runs_at_a_profiled_size(batch_size, count):
     assert n in profiled, (k, r, m, n)
 
 
-def test_a_failed_gpu_profile_falls_back_to_the_cpu_and_says_so():
-  """--plan=auto on GPUs profiles the layers on '/GPU:0' in a subprocess;
-  where that fails (here: no GPU), it plans from a CPU profile and the log
-  names the device, the error and the fallback."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if tf.config.list_physical_devices('GPU'):
-    pytest.skip('This machine has a GPU.')
-  from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
-  p = model_registry.GetParams('mlp.TinyMlp', 'Train')
-  p.task.model.Set(hidden_dim=512, num_hidden_layers=8)
-  lines = []
-  plan = auto_plan.Choose(
-      p, planner.Devices(count=2, memory_bytes=25 * 2**20), log=lines.append,
-      profile_device='/GPU:0', profile_runs=1)
-  [fallback] = [line for line in lines if 'failed' in line]
-  assert fallback.startswith('  Profiling the layers on /GPU:0 failed (')
-  assert "unknown device '/GPU:0'" in fallback
-  assert fallback.endswith('profiling them on the CPU instead, whose memory '
-                           'and times may differ.')
-  assert plan.num_partitions == 2
-  assert p.task.pipeline.num_partitions == 2
-
-
-def test_a_clusters_workers_are_planned_for_as_worker_cpus(monkeypatch):
-  """A cluster's workers run each action one op at a time and hold no build
-  slack: the layers and the chosen cells are profiled that way, or the plan
-  leaves memory unused (or runs out, if ever the other way round)."""
+def _ChooseRecorded(monkeypatch, profile_device=None,
+                    single_threaded_calls=False):
+  """Choose for the 512-wide MLP on 2 devices of 25 MiB: (plan, the
+  requests profiled, the log's lines)."""
   from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
-  requests = []
+  requests, lines = [], []
   profile = memory_report.Profile
 
   def Recorded(request, **kwargs):
@@ -231,14 +208,44 @@ def test_a_clusters_workers_are_planned_for_as_worker_cpus(monkeypatch):
   monkeypatch.setattr(memory_report, 'Profile', Recorded)
   p = model_registry.GetParams('mlp.TinyMlp', 'Train')
   p.task.model.Set(hidden_dim=512, num_hidden_layers=8)
-  for on_workers in (True, False):
-    del requests[:]
-    plan = auto_plan.Choose(
-        p.Copy(), planner.Devices(count=2, memory_bytes=25 * 2**20),
-        log=lambda line: None, single_threaded_calls=on_workers,
-        profile_runs=1)
-    assert plan.num_partitions == 2
-    # The layers, then the chosen cut's cells.
-    assert len(requests) >= 2
-    assert [(r.single_threaded_calls, r.allocator_slack)
-            for r in requests] == [(on_workers, not on_workers)] * len(requests)
+  plan = auto_plan.Choose(
+      p, planner.Devices(count=2, memory_bytes=25 * 2**20), log=lines.append,
+      profile_device=profile_device,
+      single_threaded_calls=single_threaded_calls, profile_runs=1)
+  assert p.task.pipeline.num_partitions == plan.num_partitions
+  return plan, requests, lines
+
+
+def test_a_failed_gpu_profile_falls_back_to_the_cpu_and_says_so(monkeypatch):
+  """--plan=auto on GPUs profiles the layers on '/GPU:0' in a subprocess;
+  where that fails (here: no GPU), it plans from a CPU profile and the log
+  names the device, the error and the fallback. The plan's profiles are
+  those of devices that are not worker CPUs (see the next test)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if tf.config.list_physical_devices('GPU'):
+    pytest.skip('This machine has a GPU.')
+  plan, requests, lines = _ChooseRecorded(monkeypatch, '/GPU:0')
+  # Once: the chosen cut's cells are then profiled on the CPU directly.
+  [fallback] = [line for line in lines if 'failed' in line]
+  assert fallback.startswith('  Profiling the layers on /GPU:0 failed (')
+  assert "unknown device '/GPU:0'" in fallback
+  assert fallback.endswith('profiling them on the CPU instead, whose memory '
+                           'and times may differ.')
+  assert plan.num_partitions == 2
+  # The layers (on the GPU, then on the CPU), then the chosen cut's cells.
+  assert len(requests) >= 2
+  assert [(r.single_threaded_calls, r.allocator_slack)
+          for r in requests] == [(False, True)] * len(requests)
+
+
+def test_a_clusters_workers_are_planned_for_as_worker_cpus(monkeypatch):
+  """A cluster's workers run each action one op at a time and hold no build
+  slack: the layers and the chosen cells are profiled that way, or the plan
+  leaves memory unused (or runs out, if ever the other way round). (Devices
+  that are not worker CPUs: the test above.)"""
+  plan, requests, _ = _ChooseRecorded(monkeypatch, single_threaded_calls=True)
+  assert plan.num_partitions == 2
+  # The layers, then the chosen cut's cells.
+  assert len(requests) >= 2
+  assert [(r.single_threaded_calls, r.allocator_slack)
+          for r in requests] == [(True, False)] * len(requests)
