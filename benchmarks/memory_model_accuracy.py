@@ -375,6 +375,18 @@ def RunModel(model, rows, log, save=None):
           for k, cells in profiles.items()}
 
 
+def _WorkerProfileRequest(p, sizes, example):
+  """The profile request of p's cells at `sizes`, as the grid's capped
+  workers run them."""
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  return memory_report.ProfileRequest(
+      p, micro_batch_sizes=sizes, example=example,
+      intra_op_threads=capped_workers.INTRA_OP_THREADS,
+      single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
+      allocator_slack=FLAGS.worker_memory_mb is not None,
+      profile_runs=FLAGS.profile_runs)
+
+
 def _RunOne(model, i, p, configurations, pending, previous, profiles, sizes,
             example, rows, log):
   """Measures configuration i; returns the next one's workers (started) and
@@ -383,12 +395,8 @@ def _RunOne(model, i, p, configurations, pending, previous, profiles, sizes,
   k = p.task.pipeline.num_partitions
   if k not in profiles:
     start = time.time()
-    profiles[k] = memory_report.Profile(memory_report.ProfileRequest(
-        p, micro_batch_sizes=sizes, example=example,
-        intra_op_threads=capped_workers.INTRA_OP_THREADS,
-        single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
-        allocator_slack=FLAGS.worker_memory_mb is not None,
-        profile_runs=FLAGS.profile_runs))
+    profiles[k] = memory_report.Profile(_WorkerProfileRequest(p, sizes,
+                                                              example))
     log(f'{model} K={k}: profiled its cells at micro-batch sizes {sizes} '
         f'in {time.time() - start:.0f}s')
   workers = pending or capped_workers.CappedWorkers(
@@ -441,12 +449,7 @@ def _ProfileAgain(base, example, by_k, log):
     p.task.pipeline.num_partitions = int(k)
     start = time.time()
     profiles[k] = [c.ToDict() for c in memory_report.Profile(
-        memory_report.ProfileRequest(
-            p, micro_batch_sizes=sizes, example=example,
-            intra_op_threads=capped_workers.INTRA_OP_THREADS,
-            single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
-            allocator_slack=FLAGS.worker_memory_mb is not None,
-            profile_runs=FLAGS.profile_runs))]
+        _WorkerProfileRequest(p, sizes, example))]
     log(f'K={k}: profiled again in {time.time() - start:.0f}s')
   return profiles
 

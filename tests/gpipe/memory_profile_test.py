@@ -72,7 +72,7 @@ def test_variables_and_adam_slots_are_counted_exactly(profiles):
 
 
 def test_what_a_forward_keeps_is_its_buffers(profiles):
-  large = profiles[0].At(32)
+  cell = profiles[0].At(32)
   activation = _DIM * 4  # One example's output of one FC layer, in bytes.
   # Without re-materialization, F keeps what its backward reads: the two
   # FC layers' activations, at least, and at most the chunks the allocator
@@ -82,13 +82,13 @@ def test_what_a_forward_keeps_is_its_buffers(profiles):
   # with busy cores). Which of the recorded steps counts is pinned apart,
   # without an allocator, below.
   buffers = 2 * 32 * activation
-  assert buffers <= large.kept['never'] <= 2 * buffers + 4096, large.kept
+  assert buffers <= cell.kept['never'] <= 2 * buffers + 4096, cell.kept
   # Re-materialized, a cell that is not last keeps its input (counted
   # apart), a few scalars, and what the process allocated meanwhile in every
   # recorded step (up to 5.5 KiB seen, in a full test run).
-  assert large.kept['always'] <= 0.5 * large.kept['never']
-  assert min(large.backward_peak.values()) > 0
-  assert large.fused_peak > 0 and large.update_peak > 0
+  assert cell.kept['always'] <= 0.5 * cell.kept['never']
+  assert min(cell.backward_peak.values()) > 0
+  assert cell.fused_peak > 0 and cell.update_peak > 0
 
 
 def _Record(kind, before, peak, after, held=None):
