@@ -375,16 +375,27 @@ def RunModel(model, rows, log, save=None):
           for k, cells in profiles.items()}
 
 
-def _WorkerProfileRequest(p, sizes, example):
+def _GridModes():
+  """The remat modes the grid's predictions read (a K's profile serves
+  every configuration of that K): each mode is processes of its own."""
+  from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  used = {mode for remat in FLAGS.remat_policies for m in FLAGS.micro_batches
+          for mode in memory_report.RematModes(remat, int(m))}
+  return tuple(mode for mode in (memory_model.REMAT, memory_model.NO_REMAT)
+               if mode in used)
+
+
+def _WorkerProfileRequest(p, sizes, example, modes=None):
   """The profile request of p's cells at `sizes`, as the grid's capped
-  workers run them."""
+  workers run them, in `modes` (default: the grid's)."""
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   return memory_report.ProfileRequest(
       p, micro_batch_sizes=sizes, example=example,
       intra_op_threads=capped_workers.INTRA_OP_THREADS,
       single_threaded_calls=capped_workers.SINGLE_THREADED_CALLS,
       allocator_slack=FLAGS.worker_memory_mb is not None,
-      profile_runs=FLAGS.profile_runs)
+      profile_runs=FLAGS.profile_runs, modes=modes or _GridModes())
 
 
 def _RunOne(model, i, p, configurations, pending, previous, profiles, sizes,
@@ -440,7 +451,9 @@ def _Predict(row, p, profiles, example):
 
 
 def _ProfileAgain(base, example, by_k, log):
-  """Each K's cells profiled again, at the sizes of the stored profiles."""
+  """Each K's cells profiled again, at the sizes of the stored profiles, in
+  both remat modes (the stored rows' policies are not the flags')."""
+  from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
   from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   profiles = {}
   for k, cells in by_k.items():
@@ -449,7 +462,9 @@ def _ProfileAgain(base, example, by_k, log):
     p.task.pipeline.num_partitions = int(k)
     start = time.time()
     profiles[k] = [c.ToDict() for c in memory_report.Profile(
-        _WorkerProfileRequest(p, sizes, example))]
+        _WorkerProfileRequest(p, sizes, example,
+                              modes=(memory_model.REMAT,
+                                     memory_model.NO_REMAT)))]
     log(f'K={k}: profiled again in {time.time() - start:.0f}s')
   return profiles
 

@@ -59,8 +59,10 @@ def profiles():
       np.random.RandomState(0).normal(size=(64, _DIM)).astype(np.float32),
       None, _Loss, [32], optimizer_lib.OptimizerParams())
   # What one process measures; one size (each size is a process of its own
-  # per cell and mode: 12 processes and 80 s of CI with two).
+  # per cell and mode: 12 processes and 80 s of CI with two); no build
+  # slack (a process per cell more; allocator_slack_test's).
   request.profile_runs = 1
+  request.allocator_slack = False
   return memory_profile.ProfileInSubprocess(request, timeout_s=240)
 
 
@@ -159,6 +161,7 @@ def later_cells():
       None, _Loss, [_N], optimizer_lib.OptimizerParams())
   request.num_cells = 6  # None of them is last.
   request.profile_runs = 1  # What one process measures.
+  request.allocator_slack = False  # allocator_slack_test's.
   return memory_profile.ProfileInSubprocess(request, timeout_s=240)
 
 
@@ -297,6 +300,13 @@ def test_each_cell_is_the_median_of_its_profile_processes(monkeypatch):
   # Variables from the re-materialized processes; the fused call's larger.
   assert first.variable_bytes == 7 and first.fused_peak == 11
   assert (not first.is_last) and last.is_last
+  # A prediction for one policy may read one mode: only its processes run.
+  started.clear()
+  request.modes = ('never',)
+  first, _ = [p.At(8) for p in memory_profile.ProfileCells(request)]
+  assert started == [(0, 'never')] * 3 + [(1, 'never')] * 3
+  assert first.backward_peak == {'never': 3 * 2**20}
+  assert first.variable_bytes == 0 and first.fused_peak == 11
 
 
 def test_profiling_needs_the_counting_allocator(monkeypatch):

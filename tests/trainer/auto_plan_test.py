@@ -24,8 +24,10 @@ import shutil
 import pytest
 
 from tests import quiet_test
+from tfpipe.gpipe import memory_model
 from tfpipe.gpipe import planner
 from tfpipe.trainer import auto_plan
+from tfpipe.trainer import memory_report
 from tfpipe.trainer import out_of_memory
 
 _MODEL = ['--model=mlp.TinyMlp',
@@ -128,35 +130,67 @@ def _Plan(layer_counts, m, remat='never', schedule='1f1b'):
       time_parts={}, memory_bytes=1.0)
 
 
+def _FakeCells(plan, sizes, modes):
+  """One CellProfile per cell of the plan, of the modes profiled."""
+  return [memory_model.CellProfile([memory_model.CellMemory(
+      micro_batch_size=n, backward_peak={mode: 1.0 for mode in modes})
+                                    for n in sizes])
+          for _ in plan.layer_counts]
+
+
 def test_plans_that_share_their_cells_are_checked_on_one_profile():
   """The three fastest plans were one cut at M=2 that did not fit once
-  profiled as cells; M=1, next, did, and must be found."""
+  profiled as cells; M=1, next, did, and must be found. A cut is profiled
+  in the remat modes its plan reads; a later plan of it that reads another
+  mode adds only that one, without re-measuring the build's slack."""
   plans = [_Plan([4, 5], 2, 'never', '1f1b'),
            _Plan([4, 5], 2, 'never', 'gpipe'),
            _Plan([4, 5], 2, 'except_last', '1f1b'),
            _Plan([4, 5], 1)]
   profiled, lines = [], []
 
-  def Profile(plan, sizes):
-    profiled.append((tuple(plan.layer_counts), tuple(sizes)))
-    return ['cells at', sizes]
+  def Profile(plan, sizes, modes, joining):
+    profiled.append((tuple(plan.layer_counts), tuple(sizes), modes, joining))
+    return _FakeCells(plan, sizes, modes)
 
   def Refine(plan, cells):
-    assert cells == ['cells at', [32 // plan.num_micro_batches]]
+    n = 32 // plan.num_micro_batches
+    assert all(c.sizes == [n] for c in cells)
+    reads = memory_report.RematModes(plan.remat_policy,
+                                     plan.num_micro_batches, step_time=True)
+    assert all(set(reads) <= set(c.At(n).backward_peak) for c in cells)
     return None if plan.num_micro_batches == 2 else 'refined'
 
   plan, refined = auto_plan.FirstThatFits(plans, 32, Profile, Refine,
                                           '17.8 MiB', 21.0, lines.append)
   assert plan is plans[3] and refined == 'refined'
-  assert profiled == [((4, 5), (16,)), ((4, 5), (32,))]
+  assert profiled == [((4, 5), (16,), ('never',), False),
+                      ((4, 5), (16,), ('always',), True),
+                      ((4, 5), (32,), ('never',), False)]
   assert len(lines) == 3 and all('do not fit' in line for line in lines)
+
+
+def test_the_modes_profiled_are_those_the_prediction_reads():
+  """Each remat mode of a cell is profiled in processes of its own: a
+  plan profiles what its memory walk and step time read, no more."""
+  never, always = memory_model.NO_REMAT, memory_model.REMAT
+  assert memory_report.RematModes('never', 4) == (never,)
+  assert memory_report.RematModes('always', 4) == (always,)
+  assert memory_report.RematModes('except_last', 4) == (always, never)
+  # One micro-batch: except_last keeps it, re-materializing none.
+  assert memory_report.RematModes('except_last', 1) == (never,)
+  # The recompute's time: a re-materialized backward's less a plain one's.
+  assert memory_report.RematModes('always', 4, step_time=True) == (
+      always, never)
+  assert memory_report.RematModes('never', 4, step_time=True) == (never,)
 
 
 def test_no_plan_fits_after_three_cuts_are_profiled():
   plans = [_Plan([k, 9 - k], m) for k in (2, 3, 4, 5) for m in (1, 2)]
   profiled = []
 
-  def Profile(plan, sizes):
+  def Profile(plan, sizes, modes, joining):
+    del modes, joining
     profiled.append(plan)
     return []
 
@@ -184,7 +218,6 @@ def test_every_candidate_runs_at_a_profiled_size(batch_size, count):
   """With a power-of-two batch and device count, no candidate's time or
   memory is interpolated: a kernel that slows at one size is seen there."""
   # pylint: disable=protected-access
-  from tfpipe.gpipe import memory_model  # pylint: disable=g-import-not-at-top
   profiled = set(auto_plan.ProfiledSizes(batch_size, count))
   devices = planner.Devices(count=count, memory_bytes=1.0)
   for k, r, m, _, _ in planner._Candidates(
@@ -198,7 +231,6 @@ def _ChooseRecorded(monkeypatch, profile_device=None,
   """Choose for the 512-wide MLP on 2 devices of 25 MiB: (plan, the
   requests profiled, the log's lines)."""
   from tfpipe import model_registry  # pylint: disable=g-import-not-at-top
-  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
   requests, lines = [], []
   profile = memory_report.Profile
 
@@ -245,7 +277,9 @@ def test_a_clusters_workers_are_planned_for_as_worker_cpus(monkeypatch):
   that are not worker CPUs: the test above.)"""
   plan, requests, _ = _ChooseRecorded(monkeypatch, single_threaded_calls=True)
   assert plan.num_partitions == 2
-  # The layers, then the chosen cut's cells.
+  # The layers, then the chosen cut's cells, in the modes the plan reads.
   assert len(requests) >= 2
+  assert requests[-1].modes == memory_report.RematModes(
+      plan.remat_policy, plan.num_micro_batches, step_time=True)
   assert [(r.single_threaded_calls, r.allocator_slack)
           for r in requests] == [(True, False)] * len(requests)

@@ -80,6 +80,7 @@ import sys
 import tempfile
 import time
 
+from tfpipe import fork_server
 from tfpipe.gpipe import action_memory
 from tfpipe.gpipe import memory_model
 from tfpipe.gpipe import profile_request
@@ -450,15 +451,16 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
   (benchmarks/RESULTS.md, memory_model_accuracy). A worker's allocator has
   held its own cell only, so a CPU profile does the same.
 
-  Each remat mode of each distinct cell, at each micro-batch size, runs in
-  `request.profile_runs` processes, one after another (their times are
-  measured too), and each of its quantities is the median of theirs
-  (_JoinModes puts the two modes together): a worker runs one size, and
-  so does the trainer's profile of its step; a size profiled after another
-  in one process is packed as no such worker packs it. Two profiles of the
-  memory_model_accuracy grid's K=2 and K=4 configurations predicted each
-  device's peak up to 17.3% apart from one process per cell, and up to
-  10.1% apart this way (benchmarks/RESULTS.md).
+  Each of `request.modes` (one policy may read one) of each distinct cell,
+  at each micro-batch size, runs in `request.profile_runs` processes, one
+  after another (their times are measured too), and each of its
+  quantities is the median of theirs (JoinModes puts the modes together):
+  a worker runs one size, and so does the trainer's profile of its step;
+  a size profiled after another in one process is packed as no such
+  worker packs it. Two profiles of the memory_model_accuracy grid's K=2
+  and K=4 configurations predicted each device's peak up to 17.3% apart
+  from one process per cell, and up to 10.1% apart this way
+  (benchmarks/RESULTS.md).
 
   Returns the list of CellProfile. Raises RuntimeError with the child's
   error when it fails, subprocess.TimeoutExpired after timeout_s in all.
@@ -477,12 +479,11 @@ def ProfileInSubprocess(request, timeout_s=900, log=None):
     sub.allocator_slack = False  # Measured below, for all cells at once.
     if sub.positions[0] not in (0, last):  # Reads no batch: random inputs.
       sub.inputs = sub.targets = sub.input_params = None
-    remat, no_remat = (
+    done[key] = JoinModes(*(
         memory_model.CellProfile([
             _MedianOfProcesses(sub, mode, n, deadline, log)
             for n in request.micro_batch_sizes])
-        for mode in (memory_model.REMAT, memory_model.NO_REMAT))
-    done[key] = _JoinModes(remat, no_remat)
+        for mode in request.modes))
   if request.allocator_slack:
     _AddBuildSlack(request, done, log)
   return [done[CellSignature(cell, shape, k == last, k == 0)]
@@ -505,20 +506,21 @@ def _MedianOfProcesses(request, mode, n, deadline, log=None):
   return memory_model.MedianProfile(runs).by_size[n]
 
 
-def _JoinModes(remat, no_remat):
-  """One CellProfile from a profile of each mode: what is keyed by mode (the
-  CellMemory's dict fields) from its own, the rest (variables, the update,
-  the fused call's time) from the re-materialized one's; the fused call's
-  peak, the larger."""
-  never = memory_model.NO_REMAT
-  for n in remat.sizes:
-    into, other = remat.by_size[n], no_remat.by_size[n]
-    for field in dataclasses.fields(other):
-      values = getattr(other, field.name)
-      if isinstance(values, dict) and never in values:
-        getattr(into, field.name)[never] = values[never]
-    into.fused_peak = max(into.fused_peak, other.fused_peak)
-  return remat
+def JoinModes(first, *others):
+  """One CellProfile of one cell from profiles of its remat modes: what is
+  keyed by mode (the CellMemory's dict fields) from the profile of that
+  mode, the rest (variables, the build's slack, the update, the fused
+  call's time) from the first's; the fused call's peak, the largest.
+  Updates and returns `first`."""
+  for other in others:
+    for n in first.sizes:
+      into, more = first.by_size[n], other.by_size[n]
+      for field in dataclasses.fields(more):
+        values = getattr(more, field.name)
+        if isinstance(values, dict):  # Keyed by mode: this one's added.
+          setattr(into, field.name, {**values, **getattr(into, field.name)})
+      into.fused_peak = max(into.fused_peak, more.fused_peak)
+  return first
 
 
 def SubprocessEnv(request, mode, memory_mb=None):
@@ -534,7 +536,9 @@ def SubprocessEnv(request, mode, memory_mb=None):
     # A fresh GPU's allocator is one region of its memory from the start;
     # one that grows (inherited from a profiling process) holds no slack.
     env.pop(GPU_GROWTH_ENV, None)
-  elif request.device is not None:
+  elif request.device is None:
+    env['CUDA_VISIBLE_DEVICES'] = ''  # A CPU profile (fork_server.Run).
+  else:
     if request.gpu_memory_mb:
       env.pop(GPU_GROWTH_ENV, None)  # One region of that size (_Main).
     else:
@@ -551,8 +555,8 @@ def SubprocessEnv(request, mode, memory_mb=None):
 
 
 def RunInSubprocess(request, mode, timeout_s=900, log=None, memory_mb=None):
-  """Runs the request in a fresh process and returns what it returned:
-  mode 'profile', ProfileCells (python -m tfpipe.gpipe.memory_profile);
+  """Runs the request in a fresh process (fork_server.Run), returning what
+  it returned: mode 'profile', ProfileCells (memory_profile._Main);
   'slack', allocator_slack.BuildSlack, capped at memory_mb."""
   with tempfile.TemporaryDirectory(prefix='tfpipe_profile_') as tmp:
     request_path = os.path.join(tmp, 'request.pickle')
@@ -562,9 +566,7 @@ def RunInSubprocess(request, mode, timeout_s=900, log=None, memory_mb=None):
     env = SubprocessEnv(request, mode, memory_mb)
     module = {'profile': 'tfpipe.gpipe.memory_profile',
               'slack': 'tfpipe.gpipe.allocator_slack'}[mode]
-    proc = subprocess.run(
-        [sys.executable, '-m', module, request_path, output_path], env=env,
-        capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = fork_server.Run(module, [request_path, output_path], env, timeout_s)
     if log:
       for line in proc.stdout.splitlines():
         log(line)

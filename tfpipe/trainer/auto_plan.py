@@ -4,15 +4,17 @@ Before anything runs, the experiment's layers are profiled (one short step
 per distinct layer, in a subprocess with a counting allocator; see
 gpipe.memory_profile), the planner picks the fastest configuration whose
 every device fits `--device_memory_mb`, the chosen cells are profiled as
-cells to check it (the next best is taken if they no longer fit, each cut
-profiled once), and the plan is written into the params:
-task.pipeline.num_partitions, balance (the layer counts of the cut),
-num_micro_batches, remat_policy, schedule and num_replicas. The plan and
-why it was chosen are printed. If nothing fits, the run stops there, naming
-the smallest per-device memory that would fit.
+cells to check it, in the remat modes the plan reads (the next best is
+taken if they no longer fit, each cut profiled once), and the plan is
+written into the params: task.pipeline.num_partitions, balance (the
+layer counts of the cut), num_micro_batches, remat_policy, schedule and
+num_replicas. The plan and why it was chosen are printed. If nothing
+fits, the run stops there, naming the smallest per-device memory that
+would fit.
 """
 
 from tfpipe.gpipe import memory_model
+from tfpipe.gpipe import memory_profile
 from tfpipe.gpipe import planner
 from tfpipe.trainer import memory_report
 
@@ -114,7 +116,7 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
       input_example_bytes=step.input_example_bytes,
       target_example_bytes=step.target_example_bytes)
 
-  def ProfileCellsOf(plan, n):
+  def ProfileCellsOf(plan, n, modes, joining):
     candidate = p.Copy()
     ApplyPlan(candidate, plan)
     cells, _ = _OnDeviceOrCpu(
@@ -123,7 +125,8 @@ def Choose(p, devices, log=print, example=None, intra_op_threads=0,
                 candidate, micro_batch_sizes=n, example=example,
                 intra_op_threads=intra_op_threads, device=device,
                 single_threaded_calls=single_threaded_calls,
-                profile_runs=profile_runs),
+                allocator_slack=not joining, profile_runs=profile_runs,
+                modes=modes),
             in_subprocess=device is not None),
         profile_device, log)
     return cells
@@ -146,10 +149,16 @@ def FirstThatFits(plans, batch_size, profile_cells, refine, budget_text,
   """(plan, refined plan) of the first of `plans` (best first) that still
   fits once its cells are profiled as cells.
 
+  A cut's cells are profiled in the remat modes its first plan reads
+  (memory_report.RematModes); a later plan of that cut that reads another
+  mode profiles only that one, which joins the first's profiles.
+
   Args:
     plans: planner.PipelinePlans, best first.
     batch_size: the global batch.
-    profile_cells: (plan, micro-batch sizes) -> its CellProfiles.
+    profile_cells: (plan, micro-batch sizes, remat modes, whether they join
+      profiles of the same cells, whose build slack they need not measure)
+      -> its CellProfiles in those modes.
     refine: (plan, cell profiles) -> the re-predicted plan, or None when a
       device no longer fits (planner.Refine).
     budget_text, memory_bytes: the devices' budget, for the error.
@@ -159,18 +168,27 @@ def FirstThatFits(plans, batch_size, profile_cells, refine, budget_text,
     planner.NoPlanError: the plans of the first _MAX_REFINEMENTS distinct
       cuts (and micro-batch sizes) do not fit.
   """
-  cell_profiles = {}  # (cut, replicas, micro-batch sizes) -> CellProfiles
+  # (cut, replicas, micro-batch sizes) -> (remat modes, CellProfiles)
+  cell_profiles = {}
   tried = 0
   for plan in plans:
     n = sorted(set(memory_model.MicroBatchSizes(
         batch_size // plan.num_replicas, plan.num_micro_batches)))
     key = (tuple(plan.layer_counts), plan.num_replicas, tuple(n))
+    modes = memory_report.RematModes(plan.remat_policy,
+                                     plan.num_micro_batches, step_time=True)
     if key not in cell_profiles:
       if len(cell_profiles) == _MAX_REFINEMENTS:
         break
-      cell_profiles[key] = profile_cells(plan, n)
+      cell_profiles[key] = (set(modes), profile_cells(plan, n, modes, False))
+    have, cells = cell_profiles[key]
+    missing = tuple(mode for mode in modes if mode not in have)
+    if missing:
+      cells = [memory_profile.JoinModes(cell, more) for cell, more in zip(
+          cells, profile_cells(plan, n, missing, True))]
+      cell_profiles[key] = (have | set(missing), cells)
     tried += 1
-    refined = refine(plan, cell_profiles[key])
+    refined = refine(plan, cells)
     if refined is not None:
       return plan, refined
     log(f'  {plan.num_partitions} partition(s), M={plan.num_micro_batches}, '

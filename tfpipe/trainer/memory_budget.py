@@ -210,6 +210,13 @@ def PlanIfAsked(p, flag_values, log=print):
                           profile_runs=flag_values.memory_profile_runs)
 
 
+def _Modes(p):
+  """The remat modes that p's peaks are walked in."""
+  from tfpipe.trainer import memory_report  # pylint: disable=g-import-not-at-top
+  return memory_report.RematModes(p.task.pipeline.remat_policy,
+                                  p.task.pipeline.num_micro_batches)
+
+
 def InspectLines(p, flag_values, devices):
   """inspect_model's memory section, when a budget is known (profiling the
   cells takes seconds, so it is not printed otherwise)."""
@@ -222,7 +229,7 @@ def InspectLines(p, flag_values, devices):
       p, example=example, intra_op_threads=_IntraOpThreads(flag_values),
       single_threaded_calls=_SingleThreadedCalls(devices),
       device=_ProfileDevice(devices),
-      profile_runs=flag_values.memory_profile_runs))
+      profile_runs=flag_values.memory_profile_runs, modes=_Modes(p)))
   peaks = memory_report.PredictPeaks(p, profiles, example)
   return memory_report.BudgetLines(p, peaks, budget, devices,
                                    headroom=flag_values.plan_headroom)
@@ -245,7 +252,7 @@ def Diagnosis(p, flag_values, devices, controller, watch, split, last_good):
     profiles = memory_report.Profile(memory_report.ProfileRequest(
         p, example=example, intra_op_threads=_IntraOpThreads(flag_values),
         single_threaded_calls=_SingleThreadedCalls(devices),
-        profile_runs=profile_runs))
+        profile_runs=profile_runs, modes=_Modes(p)))
     return memory_report.PredictPeaks(p, profiles, example)
   return trainer_oom.Diagnosis(
       p, devices, limit_mb=limit, shared_limit=shared,

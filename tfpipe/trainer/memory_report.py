@@ -52,10 +52,28 @@ def StepMicroBatchSizes(p):
       ReplicaBatchSize(p), p.task.pipeline.num_micro_batches)))
 
 
+def RematModes(remat_policy, num_micro_batches, step_time=False):
+  """The remat modes (memory_model.REMAT, NO_REMAT) whose profiles a
+  prediction for this policy reads: its micro-batches' (the memory walk's,
+  memory_model.UsesRemat); with `step_time`, both unless 'never', as the
+  recompute's time is a re-materialized backward's less a plain one's
+  (planner.StepTime). Each mode of a cell is profiled in processes of its
+  own, so a mode not read is a process (or `profile_runs`) saved."""
+  if step_time:
+    used = {memory_model.NO_REMAT} if remat_policy == 'never' else {
+        memory_model.REMAT, memory_model.NO_REMAT}
+  else:
+    used = {memory_model.REMAT if memory_model.UsesRemat(
+        remat_policy, m, num_micro_batches) else memory_model.NO_REMAT
+            for m in range(num_micro_batches)}
+  return tuple(mode for mode in (memory_model.REMAT, memory_model.NO_REMAT)
+               if mode in used)
+
+
 def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
                    intra_op_threads=0, single_threaded_calls=False,
                    device=None, allocator_slack=True, process_per_cell=True,
-                   profile_runs=3):
+                   profile_runs=3, modes=None):
   """A memory_profile.ProfileRequest for the experiment's cells.
 
   Args:
@@ -84,6 +102,8 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
       remat mode and micro-batch size of each distinct cell, whose median
       is taken (1 is about three times faster and less steady:
       memory_profile.ProfileRequest.profile_runs).
+    modes: the remat modes to profile (RematModes); None: both, for
+      predictions under any policy.
   """
   model = p.task.model.Instantiate()
   if cells is None:
@@ -101,6 +121,8 @@ def ProfileRequest(p, cells=None, micro_batch_sizes=None, example=None,
   request.allocator_slack = allocator_slack and not single_threaded_calls
   request.process_per_cell = process_per_cell
   request.profile_runs = profile_runs
+  if modes is not None:
+    request.modes = tuple(modes)
   return request
 
 
