@@ -152,7 +152,8 @@ class _Server:
     with tempfile.TemporaryDirectory(prefix='tfpipe_fork_') as tmp:
       out, err = os.path.join(tmp, 'stdout'), os.path.join(tmp, 'stderr')
       request = {'id': request_id, 'module': module, 'args': list(args),
-                 'env': dict(env), 'stdout': out, 'stderr': err}
+                 'env': dict(env), 'cwd': os.getcwd(), 'stdout': out,
+                 'stderr': err}
       try:
         with self._write_lock:
           self._proc.stdin.write(json.dumps(request).encode() + b'\n')
@@ -259,14 +260,15 @@ def _Serve():
 
 
 def _Child(request):
-  """A forked child: the request's output files, environment and argv, then
-  its module's _Main. Never returns."""
+  """A forked child: the request's output files, directory, environment
+  and argv, then its module's _Main. Never returns."""
   code = 1
   try:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     for fd, path in ((1, request['stdout']), (2, request['stderr'])):
       os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    os.chdir(request['cwd'])
     os.environ.clear()
     os.environ.update(request['env'])
     sys.argv = [request['module'], *request['args']]
