@@ -42,27 +42,27 @@ def _restore_op_determinism():
       tf_config.disable_op_determinism()
 
 
-# The files that take longest on CI's two cores (a minute or more each),
+# The files that take longest on CI's two cores (half a minute or more),
 # longest first. pytest-xdist hands each worker whole files
 # (--dist loadfile) in collection order, which is alphabetical: with
 # tests/trainer/ near the end, one worker ran its largest files for minutes
 # while the other had finished (30 minutes of CI on a 2-core AMD EPYC, 23
 # on another run). Started first, they overlap the many short files.
 _LONGEST_FIRST = (
-    'tests/trainer/auto_plan_test.py',
     'tests/launcher_test.py',
-    'tests/benchmarks/memory_model_accuracy_test.py',
-    'tests/gpipe/memory_profile_test.py',
-    'tests/gpipe/runtime_test.py',
-    'tests/trainer/out_of_memory_test.py',
-    'tests/keras/model_test.py',
+    'tests/trainer/auto_plan_test.py',
     'tests/gpipe/pipelining_layer_test.py',
-    'tests/benchmarks/memory_test.py',
+    'tests/keras/model_test.py',
+    'tests/gpipe/runtime_test.py',
     'tests/benchmarks/device_memory_test.py',
+    'tests/benchmarks/memory_test.py',
     'tests/benchmarks/largest_model_test.py',
-    'tests/trainer/dropout_invariance_test.py',
+    'tests/trainer/out_of_memory_test.py',
+    'tests/benchmarks/memory_model_accuracy_test.py',
+    'tests/gpipe/remote_runtime_test.py',
+    'tests/trainer/data_safety_test.py',
     'tests/trainer/trainer_test.py',
-    'tests/gpipe/allocator_slack_test.py',
+    'tests/benchmarks/gradient_handover_test.py',
 )
 
 

@@ -130,12 +130,14 @@ def _ResultOf(script, memory_mb=None):
 def test_one_cell_1f1b_keeps_one_micro_batch_at_a_time():
   """K=1, M=8: each 1F1B action is a fused F+B+W; its peak stays that of
   one micro-batch trained alone, not of several at once (a second one
-  adds about half). The one micro-batch's own peak varies from one process
-  to the next (1.44 to 1.93 MiB in six runs, the 1F1B step's 1.72 to 1.83):
-  hence 1.3x, not less."""
+  adds about half: its activations, 8 x 128 KiB). The one micro-batch's
+  own peak varies from one process to the next (1.44 to 1.93 MiB in six
+  runs, the 1F1B step's 1.72 to 1.83), so a ratio of the two flakes (1.3x
+  left 0.04 MiB); the bound is 0.6 of those activations above it."""
   one_micro_batch_peak, one_f_one_b_peak = _ResultOf(_ONE_CELL_PEAK,
                                                       memory_mb=256)
-  assert one_f_one_b_peak <= 1.3 * one_micro_batch_peak, (
+  activations = 8 * 512 * 64 * 4  # One micro-batch's, at 512 examples.
+  assert one_f_one_b_peak < one_micro_batch_peak + 0.6 * activations, (
       one_f_one_b_peak, one_micro_batch_peak)
 
 
