@@ -22,7 +22,7 @@ requests for a GPU run as plain subprocesses.
 The server forks from one thread and reads requests as lines of JSON on
 its stdin; when its stdin closes (its client ended, however) it kills its
 children and exits. `TFPIPE_FORK_SERVER=0` turns it off: each request is
-then `python -m module`, as before.
+then `python -m module args`.
 """
 
 import atexit
