@@ -105,8 +105,7 @@ def _ServerFor(env):
   with _lock:
     if key not in _servers:
       try:
-        _servers[key] = _Server(
-            {k: v for k, v in env.items() if k not in RUNTIME_VARIABLES})
+        _servers[key] = _Server(dict(key))  # Without RUNTIME_VARIABLES.
       except (OSError, _ServerLost):
         _servers[key] = None
     return _servers[key]
