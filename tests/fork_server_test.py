@@ -4,9 +4,10 @@ Protected properties: a child starts TensorFlow's runtime fresh, under the
 request's environment (its own allocator and thread pools, sized after
 the server imported TensorFlow), as a new process would; one server serves
 requests that differ only in such variables; a child's exit status, output
-and errors come back; a child past its timeout is killed; requests that
-may open a GPU, or with the server turned off, run as plain subprocesses;
-and no child outlives its server's client.
+and errors come back; a child past its timeout is killed, even one whose
+pid comes after it; requests that may open a GPU, or with the server
+turned off, run as plain subprocesses; and no child outlives its server's
+client.
 """
 
 import os
@@ -87,6 +88,22 @@ def test_a_child_past_its_timeout_is_killed(servers, tmp_path):
   assert time.monotonic() - start < 60
   # The server is left serving.
   assert fork_server.Run(_MODULE, ['raise'], _Env(), 120).returncode == 1
+
+
+def test_a_child_whose_pid_comes_after_its_timeout_is_killed_too():
+  """The timeout can pass between the fork and the server's report of the
+  child's pid: the child is killed when the pid arrives."""
+  import queue  # pylint: disable=g-import-not-at-top
+  child = subprocess.Popen([sys.executable, '-c', 'import time; '
+                            'time.sleep(600)'])
+  try:
+    messages = queue.Queue()
+    messages.put({'pid': child.pid})
+    fork_server._KillOnTimeout(messages, None, grace_s=1)  # pylint: disable=protected-access
+    assert child.wait(timeout=30) == -9
+  finally:
+    child.kill()
+    child.wait()
 
 
 @pytest.mark.parametrize('variables', [

@@ -175,12 +175,7 @@ class _Server:
       try:
         message = messages.get(timeout=max(0.0, deadline - time.monotonic()))
       except queue.Empty:
-        if pid is not None:
-          _Kill(pid)
-          try:  # Its status, so that its files are closed.
-            messages.get(timeout=30)
-          except queue.Empty:
-            pass
+        _KillOnTimeout(messages, pid)
         raise subprocess.TimeoutExpired([module, *args], timeout_s)
       if message is None:
         raise _ServerLost()
@@ -206,6 +201,23 @@ def _Kill(pid):
     os.kill(pid, signal.SIGKILL)
   except ProcessLookupError:
     pass
+
+
+def _KillOnTimeout(messages, pid, grace_s=30):
+  """Kills a child past its timeout, even one whose pid the server has not
+  reported yet, and waits for its status, so that its files are closed."""
+  if pid is not None:
+    _Kill(pid)
+  end = time.monotonic() + grace_s
+  while True:
+    try:
+      message = messages.get(timeout=max(0.0, end - time.monotonic()))
+    except queue.Empty:
+      return
+    if message is None or 'status' in message:
+      return
+    if 'pid' in message:
+      _Kill(message['pid'])
 
 
 atexit.register(Close)

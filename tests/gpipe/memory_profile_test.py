@@ -351,23 +351,39 @@ def _ProbeExecutors():
         'asked': sorted(set(asked)), 'num_calls': len(asked),
         'kept_never': memory.kept['never'],
         'backward_peak': memory.backward_peak}
+  # A plan that never re-materializes reads one mode's profile: the last
+  # cell's every action is timed in it too.
+  for modes in (('always', 'never'), ('never',)):
+    memory = memory_profile.ProfileCell(
+        _Cell('c', activation='none'), x, None, _Loss, 8, True,
+        optimizer_lib.OptimizerParams(), single_threaded_calls=True,
+        modes=modes)
+    check['times ' + ','.join(modes)] = {
+        'forward_s': memory.forward_s, 'fused_s': memory.fused_s,
+        'backward_s': memory.backward_s, 'update_s': memory.update_s}
   del tf
   print('CHECK ' + json.dumps(check), flush=True)
 
 
-def test_worker_cpus_actions_are_profiled_as_single_threaded_calls():
-  """A worker's CPU runs each action as a call on the single-threaded
-  executor (gpipe/cell_runtime.py); asked to, the profile runs every
-  action so, and otherwise none."""
+@pytest.fixture(scope='module')
+def probe():
+  """_ProbeExecutors's CHECK, from a process with the counting allocator."""
   env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true',
              TF_CPP_MIN_LOG_LEVEL='2')
   proc = subprocess.run([sys.executable, '-m', _MODULE, 'executors'],
                         cwd=_REPO_ROOT, env=env, capture_output=True,
                         text=True, timeout=240, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  check = json.loads(next(line[len('CHECK '):]
-                          for line in proc.stdout.splitlines()
-                          if line.startswith('CHECK ')))
+  return json.loads(next(line[len('CHECK '):]
+                         for line in proc.stdout.splitlines()
+                         if line.startswith('CHECK ')))
+
+
+def test_worker_cpus_actions_are_profiled_as_single_threaded_calls(probe):
+  """A worker's CPU runs each action as a call on the single-threaded
+  executor (gpipe/cell_runtime.py); asked to, the profile runs every
+  action so, and otherwise none."""
+  check = probe
   assert check['False']['asked'] == [False], check
   assert check['True']['asked'] == [True], check
   assert check['True']['num_calls'] > 0, check
@@ -375,6 +391,19 @@ def test_worker_cpus_actions_are_profiled_as_single_threaded_calls():
   assert abs(check['True']['kept_never'] -
              check['False']['kept_never']) <= 16 * 1024, check
   assert min(check['True']['backward_peak'].values()) > 0, check
+
+
+def test_a_profile_of_one_remat_mode_times_every_action(probe):
+  """A plan's step time reads the profile of its policy's mode alone
+  (memory_report.RematModes): profiled in NO_REMAT only, the forward and
+  the fused call were once left at 0 s, and a plan of SmallMlp on two
+  workers was predicted 28% under its measured step."""
+  both, never = probe['times always,never'], probe['times never']
+  for times in (both, never):
+    assert times['forward_s'] > 0 and times['fused_s'] > 0, probe
+    assert times['update_s'] > 0, probe
+  assert set(never['backward_s']) == {'never'}, probe
+  assert min(both['backward_s'].values()) > 0, probe
 
 
 if __name__ == '__main__':

@@ -45,8 +45,12 @@ def test_remote_workers_pay_per_step_and_per_transfer():
   remote = plan_devices.RemoteWorkers(local)
   assert remote.step_call_s > 2 * plan_devices.REMOTE_STEP_FUNCTION_CALL_S
   assert remote.latency_s == plan_devices.REMOTE_TRANSFER_LATENCY_S
+  # A step spanning more workers costs the controller more; idle ones
+  # cost nothing.
+  assert remote.StepCallSeconds(3) > remote.StepCallSeconds(2) > (
+      remote.StepCallSeconds(1)) == remote.step_call_s
   more = plan_devices.RemoteWorkers(plan_devices.Devices(4, 1e12))
-  assert more.step_call_s > remote.step_call_s
+  assert more.StepCallSeconds(2) == remote.StepCallSeconds(2)
   assert remote.bandwidth_bytes_per_s is None
   assert plan_devices.RemoteWorkers(
       local, same_host=True).bandwidth_bytes_per_s == (

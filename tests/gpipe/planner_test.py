@@ -204,9 +204,13 @@ def test_remote_workers_pay_the_step_calls_and_transfer_latency(concurrent):
   assert parts['per step'] > 2 * plan_devices.REMOTE_STEP_FUNCTION_CALL_S
   assert parts['transfers'] > 0
   assert remote_s > local_s + parts['per step']
-  # A step spanning more workers costs the controller more.
-  more = planner.RemoteWorkers(planner.Devices(4, 1e12))
-  assert more.step_call_s > remote.step_call_s
+  # A step spanning more workers costs the controller more; a plan of two
+  # cells on four workers spans two.
+  more = planner.RemoteWorkers(planner.Devices(4, 1e12, concurrent=concurrent))
+  _, more_parts = planner.StepTime(cells, step, more)
+  assert more_parts['per step'] == parts['per step']
+  _, replicated = planner.StepTime(cells, step, more, num_replicas=2)
+  assert replicated['per step'] > parts['per step']
   # Workers on the controller's host send at loopback speed.
   assert remote.bandwidth_bytes_per_s is None
   assert planner.RemoteWorkers(local, same_host=True).bandwidth_bytes_per_s

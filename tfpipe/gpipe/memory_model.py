@@ -117,7 +117,9 @@ class CellMemory:
       profile, or an older one), the walk adds its bytes to a later cell's
       B.
     forward_s, backward_s, fused_s, update_s: seconds, as measured once
-      while profiling (keyed like the peaks where they are dicts).
+      while profiling (keyed like the peaks where they are dicts; the
+      forward and the fused call in the re-materialized mode where it was
+      profiled, else in the one that was).
   """
   micro_batch_size: int
   variable_bytes: int = 0

@@ -288,7 +288,7 @@ def ProfileCell(cell_params, inputs, targets, loss_fn, micro_batch_size,
         gradient if mode == memory_model.NO_REMAT else 0))
     result.fused_peak = max(result.fused_peak, fused.transient)
     result.backward_s[mode] = backward.seconds
-    if mode == memory_model.REMAT:
+    if mode in (memory_model.REMAT, modes[0]):  # Re-materialized if there.
       result.forward_s = forward.seconds
       result.fused_s = fused.seconds
     if mode == modes[0]:

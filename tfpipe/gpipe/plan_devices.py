@@ -32,6 +32,9 @@ class Devices:
     step_call_s: the controller's fixed cost per step: its own work (the
       batch in, the loss out) and calling the step function over the
       devices and the update (RemoteWorkers sets it for worker processes).
+    step_per_device_s: what each device a step spans beyond the first adds
+      to step_call_s; a plan's cells x replicas are spanned, not idle
+      devices.
     computing_at_once: of concurrent devices, how many can compute at the
       same time (None: all). Worker processes on one host share its cores:
       `HostComputingAtOnce` of them run at once and the others wait.
@@ -50,6 +53,7 @@ class Devices:
   latency_s: float = 0.0
   concurrent: bool = True
   step_call_s: float = 0.0
+  step_per_device_s: float = 0.0
   computing_at_once: Optional[int] = None
   headroom: float = 0.0
 
@@ -77,6 +81,11 @@ class Devices:
     """The per-device memory whose plannable part holds `peak_bytes`."""
     return peak_bytes / (1.0 - self.headroom)
 
+  def StepCallSeconds(self, devices_spanned):
+    """The controller's fixed cost of a step over `devices_spanned`."""
+    return self.step_call_s + self.step_per_device_s * max(
+        0, devices_spanned - 1)
+
 
 def HostComputingAtOnce(intra_op_threads=0, cores=None):
   """How many worker processes of this host compute at the same time: its
@@ -97,25 +106,28 @@ REMOTE_TRANSFER_LATENCY_S = 2e-3
 LOOPBACK_BANDWIDTH_BYTES_PER_S = 1.5e9
 # The trainer's own work per step on worker processes, beyond the two calls
 # (benchmarks/RESULTS.md, "planner_check.py": a model of negligible compute
-# on the launcher's workers): the batch sent to the first worker, the loss
-# and gradient norm read back, the step counter; and what each further
-# worker the step spans adds.
-REMOTE_TRAINER_STEP_S = 16e-3
-REMOTE_STEP_PER_WORKER_S = 4.5e-3
+# on the launcher's workers, 1 to 4 partitions and 2 x 2, whose measured
+# steps include the two calls): the batch sent to the first worker, the
+# loss and gradient norm read back, the step counter; and what each further
+# worker the step spans adds (idle workers add nothing).
+REMOTE_TRAINER_STEP_S = 12e-3
+REMOTE_STEP_PER_WORKER_S = 3e-3
 
 
 def RemoteWorkers(devices, same_host=False):
   """`devices` as worker processes driven by a controller over gRPC: each
   step pays the trainer's per-step work and two function calls (the step
-  and the update), and each transfer between neighbours the send/recv
-  latency; workers on the controller's host (`same_host`) send at loopback
-  speed unless a bandwidth is given."""
-  per_step = (REMOTE_TRAINER_STEP_S + 2 * REMOTE_STEP_FUNCTION_CALL_S +
-              REMOTE_STEP_PER_WORKER_S * (devices.count - 1))
+  and the update), plus some for each further worker it spans, and each
+  transfer between neighbours the send/recv latency; workers on the
+  controller's host (`same_host`) send at loopback speed unless a bandwidth
+  is given."""
+  per_step = REMOTE_TRAINER_STEP_S + 2 * REMOTE_STEP_FUNCTION_CALL_S
   bandwidth = devices.bandwidth_bytes_per_s
   if same_host and not bandwidth:
     bandwidth = LOOPBACK_BANDWIDTH_BYTES_PER_S
   return dataclasses.replace(
       devices, latency_s=max(devices.latency_s, REMOTE_TRANSFER_LATENCY_S),
       step_call_s=max(devices.step_call_s, per_step),
+      step_per_device_s=max(devices.step_per_device_s,
+                            REMOTE_STEP_PER_WORKER_S),
       bandwidth_bytes_per_s=bandwidth)

@@ -243,7 +243,7 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
   if not devices.concurrent:
     parts = {name: value * num_replicas for name, value in parts.items()}
     parts['update'] = sum(update)
-    parts['per step'] = devices.step_call_s
+    parts['per step'] = devices.StepCallSeconds(num_cells * num_replicas)
     return sum(parts.values()), parts
   sim = schedule_lib.Simulate(sched, forward_costs=forward,
                               backward_costs=[max(b, 1e-12)
@@ -267,7 +267,7 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
         devices.latency_s +
         (c.variable_bytes / bandwidth if bandwidth else 0.0)
         for c in cells) * math.ceil(math.log2(num_replicas))
-  parts['per step'] = devices.step_call_s
+  parts['per step'] = devices.StepCallSeconds(num_cells * num_replicas)
   return makespan + sum(v for k, v in parts.items()
                         if k in ('update', 'gradient sum', 'per step')
                         ), parts
