@@ -4,8 +4,8 @@ Protected properties: a child starts TensorFlow's runtime fresh, under the
 request's environment (its own allocator and thread pools, sized after
 the server imported TensorFlow), as a new process would; one server serves
 requests that differ only in such variables; a child's exit status, output
-and errors come back; a child past its timeout is killed, even one whose
-pid comes after it; requests that may open a GPU, or with the server
+and errors come back; a child leaves no file of autograph's behind; a
+child past its timeout is killed, even one whose pid comes after it; requests that may open a GPU, or with the server
 turned off, run as plain subprocesses; and no child outlives its server's
 client.
 """
@@ -18,6 +18,7 @@ import time
 import pytest
 
 from tfpipe import fork_server
+from tfpipe import process_exit
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MODULE = 'tests.fork_server_test'
@@ -37,6 +38,18 @@ def _Main(argv):
     time.sleep(600)
   elif what == 'raise':
     raise ValueError('a bad request')
+  elif what == 'autograph':  # Converts a function; names autograph's files.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    @tf.function
+    def Halve(x):
+      while tf.reduce_sum(x) > 1.0:
+        x = x / 2.0
+      return x
+    Halve(tf.constant([8.0]))
+    for name, module in sys.modules.items():
+      if name.startswith(process_exit.AUTOGRAPH_PREFIX):
+        print(module.__file__)
 
 
 def _Env(**variables):
@@ -80,6 +93,16 @@ def test_exit_status_output_and_errors_come_back(servers):
   assert failed.stdout == ''
 
 
+def test_a_child_leaves_none_of_autographs_files(servers):
+  """A child ends with os._exit, which skips autograph's clean-up: it
+  removes the files of the functions it converted itself."""
+  del servers
+  run = fork_server.Run(_MODULE, ['autograph'], _Env(), 120)
+  assert run.returncode == 0, run.stderr[-2000:]
+  files = run.stdout.split()
+  assert files and not any(os.path.exists(f) for f in files), files
+
+
 def test_a_child_past_its_timeout_is_killed(servers, tmp_path):
   del servers, tmp_path
   start = time.monotonic()
@@ -120,6 +143,7 @@ _CLIENT = r"""
 import os, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from tfpipe import fork_server
+from tfpipe import process_exit
 from tests import fork_server_test
 threading.Thread(target=fork_server.Run, daemon=True, args=(
     fork_server_test._MODULE, ['sleep'], fork_server_test._Env(), 300)).start()

@@ -40,6 +40,8 @@ import threading
 import time
 import traceback
 
+from tfpipe import process_exit
+
 ENABLE_ENV = 'TFPIPE_FORK_SERVER'
 # Read by TensorFlow when its runtime starts (the first op, or device set-up),
 # not at import: a child may set them.
@@ -274,6 +276,7 @@ def _Child(request):
   """A forked child: the request's output files, directory, environment
   and argv, then its module's _Main. Never returns."""
   code = 1
+  inherited = _AutographModules()
   try:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -295,7 +298,15 @@ def _Child(request):
         stream.flush()
       except Exception:  # pylint: disable=broad-except
         pass
+    # os._exit skips the handler that removes the files of the functions
+    # autograph converted; the server's own stay its.
+    process_exit.RemoveAutographFiles(keep=inherited)
     os._exit(code)
+
+
+def _AutographModules():
+  return {name for name in sys.modules
+          if name.startswith(process_exit.AUTOGRAPH_PREFIX)}
 
 
 if __name__ == '__main__':

@@ -11,7 +11,8 @@ benchmarks.
 
 Only the process that made the files may remove them: a forked child (the
 out-of-memory reader, a child before exec) shares the parent's modules and
-must end with a plain `os._exit`.
+must end with a plain `os._exit`, or remove only those it made itself (the
+fork server's children: `RemoveAutographFiles(keep=)`).
 """
 
 import os
@@ -22,10 +23,11 @@ import threading
 AUTOGRAPH_PREFIX = '__autograph_generated_file'
 
 
-def RemoveAutographFiles():
-  """Removes the files of the autograph modules this process loaded."""
+def RemoveAutographFiles(keep=()):
+  """Removes the files of the autograph modules this process loaded, but
+  those named in `keep` (a forked child's parent's)."""
   for name, module in list(sys.modules.items()):
-    if not name.startswith(AUTOGRAPH_PREFIX):
+    if not name.startswith(AUTOGRAPH_PREFIX) or name in keep:
       continue
     path = getattr(module, '__file__', None)
     if path and os.path.basename(path).startswith(AUTOGRAPH_PREFIX):
