@@ -184,6 +184,19 @@ def test_step_time_counts_the_bubble_or_every_action():
   assert parts['transfers'] > 0 and with_transfers > concurrent
 
 
+def test_a_boundary_carries_an_activation_on_and_its_gradient_back():
+  cells = [_Layer(4), _Layer(4, True)]
+  link = planner.Devices(2, 1e12, bandwidth_bytes_per_s=1e6, latency_s=0.01)
+  one_way = 0.01 + (4 * MIB // 16) / 1e6
+  for schedule in ('gpipe', '1f1b'):  # 1F1B fuses the last cell's F and B.
+    step = memory_model.StepConfig(schedule, 4, 16, 'always')
+    _, parts = planner.StepTime(cells, step, link)
+    assert parts['transfers'] == pytest.approx(2 * 4 * one_way / 2)
+    _, serial = planner.StepTime(cells, step, dataclasses.replace(
+        link, concurrent=False))
+    assert serial['transfers'] == pytest.approx(2 * 4 * one_way)
+
+
 def test_memory_balanced_cut_balances_the_peaks():
   step = memory_model.StepConfig('1f1b', 8, 8, 'always')
   counts, cells, peaks = planner.MemoryBalancedCut(_Profiles(), 2, step)

@@ -100,18 +100,22 @@ def HostComputingAtOnce(intra_op_threads=0, cores=None):
 # What driving worker processes from a controller costs, beyond compute
 # (benchmarks/remote_action_costs.py; benchmarks/RESULTS.md, "Issue 23"):
 # one call of a function over the workers, and one activation or gradient
-# handed from worker to worker by send/recv, at loopback speed on one host.
+# handed from worker to worker by send/recv inside a step, at loopback speed
+# on one host (1 to 8 MiB in 0.74 to 5.2 ms: about 0.3 ms and 1.5 GB/s;
+# more micro-batches, so more transfers, did not lengthen a step of a model
+# of negligible compute).
 REMOTE_STEP_FUNCTION_CALL_S = 3e-3
-REMOTE_TRANSFER_LATENCY_S = 2e-3
+REMOTE_TRANSFER_LATENCY_S = 0.3e-3
 LOOPBACK_BANDWIDTH_BYTES_PER_S = 1.5e9
 # The trainer's own work per step on worker processes, beyond the two calls
 # (benchmarks/RESULTS.md, "planner_check.py": a model of negligible compute
 # on the launcher's workers, 1 to 4 partitions and 2 x 2, whose measured
 # steps include the two calls): the batch sent to the first worker, the
 # loss and gradient norm read back, the step counter; and what each further
-# worker the step spans adds (idle workers add nothing).
+# worker the step spans adds beyond its boundary's two transfers (idle
+# workers add nothing).
 REMOTE_TRAINER_STEP_S = 12e-3
-REMOTE_STEP_PER_WORKER_S = 3e-3
+REMOTE_STEP_PER_WORKER_S = 2.5e-3
 
 
 def RemoteWorkers(devices, same_host=False):

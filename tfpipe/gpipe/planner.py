@@ -21,8 +21,9 @@ Predicted step time, from the profiled seconds of each action:
   * devices that run at the same time (accelerators): the schedule's
     simulated makespan (schedule.Simulate: the bubble included), each
     action's cost being its compute (a re-materialized B includes its
-    recompute), plus the transfer of its boundary activation; then the
-    slowest device's update;
+    recompute), plus the transfer of what it hands on (a forward's
+    activation, a backward's input gradient); then the slowest device's
+    update;
   * devices that do not (logical CPU devices of one process, whose stages
     share one thread pool): the sum of every action, transfer and update.
     CPU worker processes do compute at the same time, with either executor
@@ -205,10 +206,10 @@ class LayerProfiles:
 # ---- step time ---------------------------------------------------------------
 
 
-def _Transfer(memory, devices):
+def _Transfer(num_bytes, devices):
   if not devices.bandwidth_bytes_per_s:
     return devices.latency_s
-  return devices.latency_s + memory.output_bytes / devices.bandwidth_bytes_per_s
+  return devices.latency_s + num_bytes / devices.bandwidth_bytes_per_s
 
 
 def StepTime(cells, step, devices, sched=None, num_replicas=1):
@@ -225,21 +226,25 @@ def StepTime(cells, step, devices, sched=None, num_replicas=1):
   last = num_cells - 1
   remat = step.remat_policy != 'never'
   mode = memory_model.REMAT if remat else memory_model.NO_REMAT
-  transfers = [_Transfer(c, devices) if k < last else 0.0
+  # Each boundary carries an activation on (sent by cell k's F) and its
+  # gradient back (sent by cell k+1's B, or its fused call).
+  transfers = [_Transfer(c.output_bytes, devices) if k < last else 0.0
                for k, c in enumerate(cells)]
+  sent_back = [0.0] + [_Transfer(c.output_gradient_bytes, devices)
+                       for c in cells[:last]]
   forward = [c.forward_s + t for c, t in zip(cells, transfers)]
-  backward = [c.backward_s[mode] for c in cells]
+  backward = [c.backward_s[mode] + g for c, g in zip(cells, sent_back)]
   if fused:
-    forward[last] = cells[last].fused_s
+    forward[last] = cells[last].fused_s + sent_back[last]
     backward[last] = 0.0
   m = step.num_micro_batches
   recompute = sum(max(0.0, c.backward_s[mode] -
                       c.backward_s[memory_model.NO_REMAT])
                   for c in cells[:last]) * m
   update = [c.update_s for c in cells]
-  compute = (sum(forward) + sum(backward) - sum(transfers)) * m - recompute
-  parts = {'compute': compute, 'recompute': recompute,
-           'transfers': sum(transfers) * m}
+  moved = (sum(transfers) + sum(sent_back)) * m
+  compute = (sum(forward) + sum(backward)) * m - moved - recompute
+  parts = {'compute': compute, 'recompute': recompute, 'transfers': moved}
   if not devices.concurrent:
     parts = {name: value * num_replicas for name, value in parts.items()}
     parts['update'] = sum(update)
