@@ -197,6 +197,38 @@ def test_a_boundary_carries_an_activation_on_and_its_gradient_back():
     assert serial['transfers'] == pytest.approx(2 * 4 * one_way)
 
 
+def _LayerSending(output_bytes):
+  layer = _Layer(4)
+  layer.output_bytes = layer.output_gradient_bytes = output_bytes
+  return layer
+
+
+def test_on_a_slow_link_the_cut_falls_where_little_crosses():
+  # Four equal layers; the second hands on 64 MiB, the others 1 KiB.
+  sends = [1024, 64 * MIB, 1024, 1024]
+  layers = [memory_model.CellProfile([_LayerSending(b)]) for b in sends]
+  last = memory_model.CellProfile([_Layer(4, True)])
+  for layer, before in zip(layers[1:] + [last], sends):
+    layer.by_size[4].input_bytes = before
+    layer.by_size[4].input_gradient_bytes = before
+  profiles = planner.LayerProfiles(layers, last)
+
+  def Cut(devices):
+    [plan] = [p for p in planner.CandidatePlans(
+        profiles, devices, batch_size=4, num_partitions=[2],
+        micro_batches=[1], remat_policies=['never'], schedules=['gpipe'])]
+    return plan
+  # Free transfers: the compute-balanced cut, through the 64 MiB.
+  assert Cut(planner.Devices(2, 1e12)).layer_counts == [2, 2]
+  slow = planner.Devices(2, 1e12, bandwidth_bytes_per_s=1e8)
+  plan = Cut(slow)
+  assert plan.layer_counts != [2, 2]
+  # And it is the faster step on that link.
+  balanced = [profiles.Range(0, 2, 4), profiles.Range(2, 4, 4)]
+  step = memory_model.StepConfig('gpipe', 1, 4, 'never')
+  assert plan.step_time_s < planner.StepTime(balanced, step, slow)[0]
+
+
 def test_memory_balanced_cut_balances_the_peaks():
   step = memory_model.StepConfig('1f1b', 8, 8, 'always')
   counts, cells, peaks = planner.MemoryBalancedCut(_Profiles(), 2, step)

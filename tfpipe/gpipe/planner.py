@@ -12,8 +12,8 @@ to minimise the predicted step time with every device's predicted peak
 (gpipe.memory_model) within its budget, less a headroom for the model's
 error (`Devices.headroom`). This is PipeDream's optimizer with
 GPipe's constraint: a dynamic program over (the first i layers, j cells)
-minimises the slowest cell, and only cuts whose cell fits its device are
-allowed; what a cell holds on device j depends on the schedule (how many
+minimises the slowest cell (its compute and what it sends to its
+neighbours), and only cuts whose cell fits its device are allowed; what a cell holds on device j depends on the schedule (how many
 micro-batches are in flight there) and on M and the remat policy, so the
 program runs once per (K, M, remat, schedule).
 
@@ -352,8 +352,9 @@ def _Candidates(num_layers, devices, batch_size, num_partitions,
 class _Candidate:
   """One (K, R, M, remat, schedule): its step and its peaks of ranges."""
 
-  def __init__(self, profiles, k, replicas, step):
+  def __init__(self, profiles, k, replicas, step, devices=None):
     self.k, self.replicas, self.m = k, replicas, step.num_micro_batches
+    self.devices = devices
     self.remat, self.schedule = step.remat_policy, step.schedule
     self.profiles = profiles
     self.step = step
@@ -372,9 +373,17 @@ class _Candidate:
           self.sched, j, lambda k, size: memory, self.step).peak_bytes
     return self._peaks[key]
 
-  def Seconds(self, s, i, unused_j):
+  def Seconds(self, s, i, j):
+    """Device j's time per micro-batch holding layers [s, i): its compute,
+    and what it sends (its output on, its input's gradient back), so that
+    on a slow link a cut falls where little crosses it, as PipeDream's."""
     memory = self.profiles.Range(s, i, self.n)
-    return memory.forward_s + memory.backward_s[self.mode]
+    seconds = memory.forward_s + memory.backward_s[self.mode]
+    if self.devices is not None and j < self.k - 1:
+      seconds += _Transfer(memory.output_bytes, self.devices)
+    if self.devices is not None and j > 0:
+      seconds += _Transfer(memory.input_gradient_bytes, self.devices)
+    return seconds
 
   def Peaks(self, cells):
     return [memory_model.WalkDevice(self.sched, d,
@@ -434,7 +443,7 @@ def CandidatePlans(profiles: LayerProfiles, devices: Devices, batch_size,
         schedule=schedule, num_micro_batches=m, batch_size=batch_size // r,
         remat_policy=remat, input_example_bytes=input_example_bytes,
         target_example_bytes=target_example_bytes)
-    candidate = _Candidate(profiles, k, r, step)
+    candidate = _Candidate(profiles, k, r, step, devices)
     found = _Cut(profiles, k, candidate.n, candidate.Seconds,
                  candidate.Peak, devices.plannable_bytes)
     if found is None:
