@@ -276,7 +276,7 @@ def _Child(request):
   """A forked child: the request's output files, directory, environment
   and argv, then its module's _Main. Never returns."""
   code = 1
-  inherited = _AutographModules()
+  inherited = process_exit.AutographModuleNames()
   try:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -302,11 +302,6 @@ def _Child(request):
     # autograph converted; the server's own stay its.
     process_exit.RemoveAutographFiles(keep=inherited)
     os._exit(code)
-
-
-def _AutographModules():
-  return {name for name in sys.modules
-          if name.startswith(process_exit.AUTOGRAPH_PREFIX)}
 
 
 if __name__ == '__main__':

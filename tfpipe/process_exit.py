@@ -23,13 +23,16 @@ import threading
 AUTOGRAPH_PREFIX = '__autograph_generated_file'
 
 
+def AutographModuleNames():
+  """The names of the autograph modules this process has loaded."""
+  return {name for name in sys.modules if name.startswith(AUTOGRAPH_PREFIX)}
+
+
 def RemoveAutographFiles(keep=()):
   """Removes the files of the autograph modules this process loaded, but
   those named in `keep` (a forked child's parent's)."""
-  for name, module in list(sys.modules.items()):
-    if not name.startswith(AUTOGRAPH_PREFIX) or name in keep:
-      continue
-    path = getattr(module, '__file__', None)
+  for name in AutographModuleNames() - set(keep):
+    path = getattr(sys.modules.get(name), '__file__', None)
     if path and os.path.basename(path).startswith(AUTOGRAPH_PREFIX):
       try:
         os.remove(path)

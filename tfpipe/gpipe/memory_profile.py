@@ -509,8 +509,8 @@ def _MedianOfProcesses(request, mode, n, deadline, log=None):
 def JoinModes(first, *others):
   """One CellProfile of one cell from profiles of its remat modes: what is
   keyed by mode (the CellMemory's dict fields) from the profile of that
-  mode, the rest (variables, the build's slack, the update, the fused
-  call's time) from the first's; the fused call's peak, the largest.
+  mode, the rest (variables, the build's slack, the update, the forward's
+  and the fused call's times) from the first's; the fused call's peak, the largest.
   Updates and returns `first`."""
   for other in others:
     for n in first.sizes:
