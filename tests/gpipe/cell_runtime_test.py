@@ -9,6 +9,7 @@ import tensorflow as tf
 from tests.gpipe import pipelining_layer_test as plt_test
 from tfpipe import layers
 from tfpipe.gpipe import cell_runtime
+from tfpipe.gpipe import op_order
 
 _Pipeline = plt_test._Pipeline  # pylint: disable=protected-access
 _Data = plt_test._Data  # pylint: disable=protected-access
@@ -169,3 +170,38 @@ def test_a_backward_adds_each_weight_gradient_as_it_is_made():
     # a time), not all of a B's at once on top of what remains (8.2 MiB
     # without remat when the backward is called, not imported).
     assert peak < 0.9 * weights, (peak, weights)
+
+
+@pytest.mark.parametrize('remat_policy,schedule', [
+    ('always', 'gpipe'), ('never', '1f1b'), ('never', 'zb_h1'),
+    ('always', 'zb_h1')])
+def test_single_threaded_actions_run_their_ops_in_one_order(
+    remat_policy, schedule):
+  """On a worker's CPU each action's ops are chained into one order
+  (op_order.py), so every process runs them alike; the gradients stay the
+  un-pipelined model's."""
+  layer_params = _LayerParams(4)
+  x, y = _Data()
+  ref_loss, ref_grads = plt_test._Reference(layer_params, x, y)  # pylint: disable=protected-access
+  pipe = _Pipeline(layer_params, 2, 2, remat_policy=remat_policy,
+                   schedule=schedule)
+  pipe.build(x.shape)
+  for cell in pipe.runtime.cells[0]:
+    cell.single_threaded_calls = True
+  out = pipe.ComputeLossAndGradients(x, y, _Loss)
+  np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+  plt_test._AssertAllClose(out.gradients, ref_grads)  # pylint: disable=protected-access
+  actions = [action for cell in pipe.runtime.cells[0]
+             for program in cell.programs._entries.values()  # pylint: disable=protected-access
+             for _, action in program.actions.values()]
+  assert actions
+  for action in actions:
+    # What tf.function adds after the body: an Identity per returned value
+    # and the NoOp they wait on (automatic control dependencies).
+    returned = [t.op for t in action.graph.outputs if t.op.type == 'Identity']
+    added = {op.name for op in returned} | {
+        op.name for identity in returned for op in identity.control_inputs
+        if op.type == 'NoOp'}
+    body = [op for op in action.graph.get_operations()
+            if op.name not in added]
+    assert op_order.IsOneOrder(body), action.name

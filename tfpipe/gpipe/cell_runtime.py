@@ -49,7 +49,9 @@ until it had nothing left to do, and the stages ran one after the other
 (benchmarks/RESULTS.md, issue 23). With two, the second thread hands
 tensors on while the first computes, and the single-threaded executor
 keeps each action's ops on one thread, one at a time, so a worker still
-computes on one core. A call whose function holds what that executor
+computes on one core. Each such action's ops are chained into one order
+(op_order.py): that executor's own order differs between processes, and
+with it each worker's peak. A call whose function holds what that executor
 cannot run (a while loop, a cond, a nested call that stays a call:
 single_threaded_executor.py) keeps the default executor, and a line in the
 log names the cell and the op, once. A Python function cannot run on
@@ -68,6 +70,7 @@ from tfpipe import placement
 from tfpipe.gpipe import accumulators
 from tfpipe.gpipe import cell_program
 from tfpipe.gpipe import microbatch
+from tfpipe.gpipe import op_order
 from tfpipe.gpipe import single_threaded_executor
 from tfpipe.gpipe import split_backward
 
@@ -252,11 +255,12 @@ class CellRuntime:
           'executor.', self.index, self.cell.name, op_type)
     return not op_type
 
-  def _Action(self, program, function):
+  def _Action(self, program, function, body=None):
     """`function` as this device's actions call it: a call that stays one
-    on the single-threaded executor on a worker's CPU, else as it is."""
+    on the single-threaded executor on a worker's CPU, else as it is.
+    `body`: the ops `function` calls, if it only calls them."""
     if self._SingleThreadedCall(function):
-      return _NoInline(program, function, single_threaded=True)
+      return _NoInline(program, function, single_threaded=True, body=body)
     return function
 
   def _Call(self, function, args):
@@ -291,7 +295,7 @@ class CellRuntime:
 
     def Run(*args):
       # Imported ops, no calls: the executor is the caller's (_Call).
-      with tf.device(self.device):
+      with tf.device(self.device), op_order.OneOrder(single_threaded):
         outputs = _List(split_backward.ImportCall(function, args, 'backward',
                                                   body))
         split = len(outputs) - num_weights
@@ -370,7 +374,7 @@ class CellRuntime:
       traced = program.Whole(need_dx)[1].traced
       values = dict(zip([t.name for t in traced.inputs], present))
       results = self._Run(inputs.x, lambda: self._Call(
-          self._Action(program, part.function),
+          self._Action(program, part.function, part.body),
           [values[n] for n in part.feeds]))
       values.update(zip(part.fetches, results))
       record = KeptResiduals(program, {t.name: values[t.name]
@@ -441,13 +445,15 @@ class CellRuntime:
     if isinstance(record, KeptInput):
       part = cut.Part(split_backward.RECOMPUTE_INPUT_GRADIENT)
       function = _NoInline(program, part.function,
-                           self._SingleThreadedCall(part.function))
+                           self._SingleThreadedCall(part.function),
+                           part.body)
     else:
       part = cut.Part(split_backward.INPUT_GRADIENT)
       single_threaded = self._SingleThreadedCall(part.function)
       function = (part.function if self._inline_backward and
                   not single_threaded else
-                  _NoInline(program, part.function, single_threaded))
+                  _NoInline(program, part.function, single_threaded,
+                            part.body))
     results = self._Call(function, [values[n] for n in part.feeds])
     values.update(zip(part.fetches, results))
     weight_feeds = cut.Part(split_backward.WEIGHT_GRADIENT).feeds
@@ -466,7 +472,7 @@ class CellRuntime:
     return done
 
 
-def _NoInline(program, function, single_threaded=False):
+def _NoInline(program, function, single_threaded=False, body=None):
   """`function` as a call that stays a call inside a caller's graph.
 
   A re-materialized backward must start only when all its inputs exist
@@ -474,13 +480,17 @@ def _NoInline(program, function, single_threaded=False):
   during it; inlined, its forward ops would run as soon as the cell's
   input exists, and Grappler could merge them with the first forward.
   With `single_threaded`, the calls inside it run on the single-threaded
-  executor too (see _SingleThreaded).
+  executor too (see _SingleThreaded), and `function`'s ops (`body`'s, if
+  it only calls those) are imported and chained into one order, the same
+  in every process (op_order.py).
   """
   key = ('noinline', id(function), single_threaded)
   if key not in program.actions:
     def Call(*args):
-      with _SingleThreaded(single_threaded):
+      if not single_threaded:
         return function(*args)
+      with _SingleThreaded(True), op_order.OneOrder():
+        return split_backward.ImportCall(function, args, 'action', body)
     with cell_program.Tracing():
       program.actions[key] = (function, tf.function(
           Call, autograph=False,
