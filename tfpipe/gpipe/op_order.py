@@ -44,10 +44,8 @@ def OneOrder(enabled=True):
 def Chain(ops):
   """Adds the control edges that leave `ops` (in creation order) one order
   to run in: Order's. A pair already joined by an edge gets none."""
-  ordered = Order(ops)
-  for before, op in zip(ordered, ordered[1:]):
-    if before not in _Inputs(op):
-      op._add_control_input(before)  # pylint: disable=protected-access
+  for before, op in _Unjoined(ops):
+    op._add_control_input(before)  # pylint: disable=protected-access
 
 
 def Order(ops):
@@ -98,9 +96,14 @@ def IsOneOrder(ops):
   """Whether `ops` (but the arguments and the ops that float) have
   exactly one topological order: one path through all of them, each op an
   input of the next."""
+  return not _Unjoined(ops)
+
+
+def _Unjoined(ops):
+  """The pairs of Order(ops) that follow each other with no edge between."""
   ordered = Order(ops)
-  return all(before in _Inputs(op)
-             for before, op in zip(ordered, ordered[1:]))
+  return [(before, op) for before, op in zip(ordered, ordered[1:])
+          if before not in _Inputs(op)]
 
 
 def _Inputs(op):
